@@ -1,0 +1,205 @@
+"""Building the plugin manager of one run, and the registry of what its plugins provide.
+
+A run's plugins are described by a small picklable `PluginSelection` (names asked for, names blocked,
+whether third-party entry points autoload). The selection travels in `args.plugin_selection` to Ray
+actors, which rebuild the same manager from it. Code called without a run gets the built-ins only.
+
+Built-in plugins are entry points of group `slime` declared by the `slime-rl` distribution itself; they
+always load (unless blocked with `-p no:NAME`). Entry points of other distributions load when autoload is
+on (the default) or when named with `--plugin NAME`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import pluggy
+
+from slime import hookspecs
+from slime.specs import SPEC_KINDS, ProvidedSpec
+
+PROJECT = "slime"
+DISTRIBUTION = "slime-rl"
+ENV_PLUGINS = "SLIME_PLUGINS"
+ENV_DISABLE_AUTOLOAD = "SLIME_DISABLE_PLUGIN_AUTOLOAD"
+
+
+class PluginError(RuntimeError):
+    """A plugin could not be found, loaded or validated."""
+
+
+@dataclass(frozen=True)
+class PluginSelection:
+    """Which plugins a run uses; picklable so actors can rebuild the run's manager."""
+
+    plugins: tuple[str, ...] = ()
+    blocked: tuple[str, ...] = ()
+    autoload: bool = True
+
+    @classmethod
+    def from_cli(cls, plugins: Iterable[str], *, disable_autoload: bool = False) -> PluginSelection:
+        """Combine `-p` values (including `no:NAME`) with `SLIME_PLUGINS` and the autoload switches."""
+        names: list[str] = []
+        for value in [*os.environ.get(ENV_PLUGINS, "").split(","), *plugins]:
+            names.extend(part.strip() for part in value.split(",") if part.strip())
+        wanted = tuple(dict.fromkeys(n for n in names if not n.startswith("no:")))
+        blocked = tuple(dict.fromkeys(n[3:] for n in names if n.startswith("no:")))
+        if clash := set(wanted) & set(blocked):
+            raise PluginError(f"Plugins both requested and blocked: {', '.join(sorted(clash))}")
+        autoload = not (disable_autoload or os.environ.get(ENV_DISABLE_AUTOLOAD))
+        return cls(plugins=wanted, blocked=blocked, autoload=autoload)
+
+
+def _entry_points() -> list[importlib.metadata.EntryPoint]:
+    return list(importlib.metadata.entry_points(group=PROJECT))
+
+
+def _is_builtin(entry_point: importlib.metadata.EntryPoint) -> bool:
+    dist = entry_point.dist
+    return dist is not None and dist.metadata["Name"] == DISTRIBUTION
+
+
+def _load_entry_point(entry_point: importlib.metadata.EntryPoint) -> Any:
+    try:
+        return entry_point.load()
+    except Exception as exc:
+        raise PluginError(f"Plugin {entry_point.name!r} ({entry_point.value}) failed to import: {exc}") from exc
+
+
+def build_plugin_manager(selection: PluginSelection | None = None) -> pluggy.PluginManager:
+    """A fresh manager with the built-ins, autoloaded entry points and the selection's named plugins."""
+    selection = selection or PluginSelection()
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(hookspecs)
+    for name in selection.blocked:
+        pm.set_blocked(name)
+    entry_points = {ep.name: ep for ep in _entry_points()}
+    if not any(_is_builtin(ep) for ep in entry_points.values()):
+        raise PluginError(
+            "No built-in slime plugins are registered: the slime-rl distribution is not installed. "
+            "Install it with: pip install -e ."
+        )
+    for name, entry_point in entry_points.items():
+        if pm.is_blocked(name) or pm.has_plugin(name):
+            continue
+        if _is_builtin(entry_point) or selection.autoload or name in selection.plugins:
+            pm.register(_load_entry_point(entry_point), name=name)
+    for name in selection.plugins:
+        if pm.has_plugin(name):
+            continue
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            available = ", ".join(sorted(entry_points)) or "none"
+            raise PluginError(
+                f"Unknown plugin {name!r}: not an installed entry point of group 'slime' ({available}) "
+                f"and not an importable module. Install its package (pip install ...) or fix the name."
+            ) from exc
+        pm.register(module, name=name)
+    pm.check_pending()
+    return pm
+
+
+def plugin_module(pm: pluggy.PluginManager, name: str) -> ModuleType | Any:
+    """The registered plugin object named `name` (a clear error when it is not loaded)."""
+    plugin = pm.get_plugin(name)
+    if plugin is None:
+        raise PluginError(f"Plugin {name!r} is not loaded (loaded: {', '.join(sorted(n for n, _ in pm.list_name_plugin()))})")
+    return plugin
+
+
+def named_plugin_defaults(pm: pluggy.PluginManager, selection: PluginSelection) -> dict[str, tuple[str, Any]]:
+    """Defaults declared by plugins named on the command line: `{dest: (plugin name, value)}`."""
+    defaults: dict[str, tuple[str, Any]] = {}
+    for name in selection.plugins:
+        plugin = pm.get_plugin(name)
+        impl = getattr(plugin, "slime_cli_defaults", None)
+        if plugin is None or impl is None:
+            continue
+        values = pm.subset_hook_caller(
+            "slime_cli_defaults", remove_plugins=[p for p in pm.get_plugins() if p is not plugin]
+        )()
+        for value in values:
+            if not isinstance(value, Mapping):
+                raise PluginError(f"Plugin {name!r}: slime_cli_defaults must return a dict, got {type(value).__name__}")
+            for dest, default in value.items():
+                if dest in defaults and defaults[dest][1] != default:
+                    raise PluginError(
+                        f"Plugins {defaults[dest][0]!r} and {name!r} set different defaults for {dest!r}"
+                    )
+                defaults[dest] = (name, default)
+    return defaults
+
+
+@dataclass(frozen=True)
+class Registry:
+    """What the loaded plugins provide, by kind (`transports`, `data_sources`, ...) and name."""
+
+    kinds: Mapping[str, Mapping[str, ProvidedSpec]]
+    providers: Mapping[tuple[str, str], str] = field(default_factory=dict)
+
+    def get(self, kind: str, name: str) -> ProvidedSpec:
+        """The spec of `kind` (e.g. "transports") named `name`; a clear error lists what exists."""
+        specs = self.kinds[kind]
+        if name not in specs:
+            available = ", ".join(sorted(specs)) or "none"
+            raise PluginError(f"No {kind[:-1].replace('_', ' ')} named {name!r}; available: {available}")
+        return specs[name]
+
+    def find(self, name: str, kinds: Iterable[str]) -> ProvidedSpec | None:
+        """The single spec named `name` among `kinds`, or None; ambiguous names are an error."""
+        found = [(kind, self.kinds[kind][name]) for kind in kinds if name in self.kinds[kind]]
+        if len(found) > 1:
+            raise PluginError(f"Name {name!r} is provided as several kinds: {', '.join(k for k, _ in found)}")
+        return found[0][1] if found else None
+
+
+def collect_registry(pm: pluggy.PluginManager) -> Registry:
+    """Call every provider hook, validate each result's type and reject duplicate names naming both plugins."""
+    kinds: dict[str, dict[str, ProvidedSpec]] = {}
+    providers: dict[tuple[str, str], str] = {}
+    for hook_name, spec_cls in SPEC_KINDS.items():
+        kind = hook_name.removeprefix("slime_")
+        specs: dict[str, ProvidedSpec] = {}
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            plugin_name = impl.plugin_name
+            try:
+                provided = list(impl.function() or ())
+            except Exception as exc:
+                raise PluginError(f"Plugin {plugin_name!r}: {hook_name}() failed: {exc}") from exc
+            for spec in provided:
+                if not isinstance(spec, spec_cls):
+                    raise PluginError(
+                        f"Plugin {plugin_name!r}: {hook_name}() must yield {spec_cls.__name__}, "
+                        f"got {type(spec).__name__}"
+                    )
+                if spec.name in specs:
+                    other = providers[(kind, spec.name)]
+                    raise PluginError(
+                        f"{spec_cls.__name__} {spec.name!r} is provided by both plugins {other!r} and {plugin_name!r}; "
+                        f"block one with --plugin no:NAME"
+                    )
+                specs[spec.name] = spec
+                providers[(kind, spec.name)] = plugin_name
+        kinds[kind] = specs
+    return Registry(kinds=kinds, providers=providers)
+
+
+@functools.lru_cache(maxsize=8)
+def _registry(selection: PluginSelection) -> Registry:
+    return collect_registry(build_plugin_manager(selection))
+
+
+def registry_for(args: Any = None) -> Registry:
+    """The registry of a run's selection (`args.plugin_selection`), or of the built-ins alone."""
+    selection = getattr(args, "plugin_selection", None) or PluginSelection(autoload=False)
+    if not isinstance(selection, PluginSelection):
+        raise TypeError(f"args.plugin_selection must be a PluginSelection, got {type(selection).__name__}")
+    return _registry(selection)
