@@ -25,7 +25,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import pluggy
-
 from slime.specs import (
     BatchFilterSpec,
     CheckpointPolicySpec,

@@ -21,7 +21,6 @@ from types import ModuleType
 from typing import Any
 
 import pluggy
-
 from slime import hookspecs
 from slime.specs import SPEC_KINDS, ProvidedSpec
 
@@ -81,6 +80,7 @@ def build_plugin_manager(selection: PluginSelection | None = None) -> pluggy.Plu
     for name in selection.blocked:
         pm.set_blocked(name)
     entry_points = {ep.name: ep for ep in _entry_points()}
+    pm.slime_distributions = {}  # plugin name -> "distribution version", for `slime-run plugins`
     if not any(_is_builtin(ep) for ep in entry_points.values()):
         raise PluginError(
             "No built-in slime plugins are registered: the slime-rl distribution is not installed. "
@@ -91,6 +91,9 @@ def build_plugin_manager(selection: PluginSelection | None = None) -> pluggy.Plu
             continue
         if _is_builtin(entry_point) or selection.autoload or name in selection.plugins:
             pm.register(_load_entry_point(entry_point), name=name)
+            dist = entry_point.dist
+            if dist is not None:
+                pm.slime_distributions[name] = f"{dist.metadata['Name']} {dist.version}"
     for name in selection.plugins:
         if pm.has_plugin(name):
             continue
@@ -111,7 +114,9 @@ def plugin_module(pm: pluggy.PluginManager, name: str) -> ModuleType | Any:
     """The registered plugin object named `name` (a clear error when it is not loaded)."""
     plugin = pm.get_plugin(name)
     if plugin is None:
-        raise PluginError(f"Plugin {name!r} is not loaded (loaded: {', '.join(sorted(n for n, _ in pm.list_name_plugin()))})")
+        raise PluginError(
+            f"Plugin {name!r} is not loaded (loaded: {', '.join(sorted(n for n, _ in pm.list_name_plugin()))})"
+        )
     return plugin
 
 
@@ -131,9 +136,7 @@ def named_plugin_defaults(pm: pluggy.PluginManager, selection: PluginSelection) 
                 raise PluginError(f"Plugin {name!r}: slime_cli_defaults must return a dict, got {type(value).__name__}")
             for dest, default in value.items():
                 if dest in defaults and defaults[dest][1] != default:
-                    raise PluginError(
-                        f"Plugins {defaults[dest][0]!r} and {name!r} set different defaults for {dest!r}"
-                    )
+                    raise PluginError(f"Plugins {defaults[dest][0]!r} and {name!r} set different defaults for {dest!r}")
                 defaults[dest] = (name, default)
     return defaults
 

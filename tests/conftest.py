@@ -87,7 +87,9 @@ def pytest_ignore_collect(collection_path, config):
 
 def pytest_terminal_summary(terminalreporter):
     if _UNCOLLECTABLE:
-        terminalreporter.write_line(f"NOT COLLECTED {ACCEPTANCE_FILE}: its module-level imports fail ({_UNCOLLECTABLE})")
+        terminalreporter.write_line(
+            f"NOT COLLECTED {ACCEPTANCE_FILE}: its module-level imports fail ({_UNCOLLECTABLE})"
+        )
     pending = len(PENDING_ACCEPTANCE)
     if pending:
         terminalreporter.write_line(f"acceptance spec: {pending} test functions still pending (strict xfail)")

@@ -47,8 +47,9 @@ class Box:
         return f"Box({self.inner!r})"
 
 
-def should_run_periodic_action(rollout_id: int, interval: int | None, num_rollout_per_epoch: int | None = None,
-                               num_rollout: int | None = None) -> bool:
+def should_run_periodic_action(
+    rollout_id: int, interval: int | None, num_rollout_per_epoch: int | None = None, num_rollout: int | None = None
+) -> bool:
     """True after every `interval`-th step, at each epoch end and at the last step."""
     if interval is None:
         return False

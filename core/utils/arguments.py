@@ -1,0 +1,177 @@
+"""The command line of a training run.
+
+Parsing happens twice, as in pytest: a pre-parse finds `-p/--plugin` and the autoload switch, the run's
+plugin manager is built from that selection, plugins add their options (`slime_addoption`), plugins named
+on the command line set their defaults (`slime_cli_defaults`, each one logged), and then the full command
+line is parsed. `args.plugin_selection` carries the selection to Ray actors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from slime.plugin_manager import PluginSelection, build_plugin_manager, collect_registry, named_plugin_defaults
+
+logger = logging.getLogger(__name__)
+
+
+def add_plugin_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("plugins")
+    group.add_argument(
+        "-p",
+        "--plugin",
+        dest="plugins",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="load a plugin: a built-in or entry-point name, or a dotted module; 'no:NAME' blocks one "
+        "(repeatable; SLIME_PLUGINS=a,b adds more)",
+    )
+    group.add_argument(
+        "--disable-plugin-autoload",
+        action="store_true",
+        help="do not load third-party entry-point plugins unless named with --plugin "
+        "(also: SLIME_DISABLE_PLUGIN_AUTOLOAD=1)",
+    )
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    data = parser.add_argument_group("rollout data")
+    data.add_argument("--rollout-data-transport", default="object-store", help="transport plugin name")
+    data.add_argument("--rollout-data-dir", default=None, help="straw pool on a filesystem every node mounts")
+    data.add_argument("--rollout-queue-run-id", default=None, help="namespace of this run's writers inside the pool")
+    data.add_argument("--rollout-queue-segment-mib", type=int, default=None, help="target pack size in MiB")
+    data.add_argument("--rollout-queue-online-gc", action="store_true", help="reclaim unreferenced packs while running")
+    data.add_argument("--rollout-queue-lease-seconds", type=int, default=300)
+    data.add_argument("--rollout-storage-profile", default="local", help="straw filesystem profile (local, juicefs)")
+    data.add_argument("--rollout-storage-declaration", default=None, help="JSON file declaring the storage properties")
+    data.add_argument("--rollout-data-compression", choices=["none", "zstd"], default="none")
+    data.add_argument("--rollout-io-concurrency", type=int, default=4)
+
+    rollout = parser.add_argument_group("rollout")
+    rollout.add_argument("--hf-checkpoint", default=None, help="HF model directory (default: the built-in tiny model)")
+    rollout.add_argument("--prompt-data", default=None, help="JSONL or Parquet prompts")
+    rollout.add_argument("--input-key", default="input")
+    rollout.add_argument("--label-key", default=None)
+    rollout.add_argument("--metadata-key", default="metadata")
+    rollout.add_argument("--tool-key", default=None)
+    rollout.add_argument("--apply-chat-template", action="store_true")
+    rollout.add_argument("--rollout-shuffle", action="store_true")
+    rollout.add_argument("--rollout-seed", type=int, default=42)
+    rollout.add_argument("--num-rollout", type=int, default=None)
+    rollout.add_argument("--num-epoch", type=int, default=None)
+    rollout.add_argument("--rollout-batch-size", type=int, default=8, help="prompts per rollout step")
+    rollout.add_argument("--n-samples-per-prompt", type=int, default=4)
+    rollout.add_argument("--over-sampling-batch-size", type=int, default=None)
+    rollout.add_argument("--rollout-max-response-len", type=int, default=16)
+    rollout.add_argument("--rollout-temperature", type=float, default=1.0)
+    rollout.add_argument("--rollout-top-p", type=float, default=1.0)
+    rollout.add_argument("--rollout-top-k", type=int, default=-1)
+    rollout.add_argument("--rollout-engine", default="cpu", help="rollout engine plugin name")
+    rollout.add_argument("--rollout-num-engines", type=int, default=2)
+    rollout.add_argument("--sglang-server-concurrency", type=int, default=64)
+    rollout.add_argument("--rollout-function-path", default="sglang", help="registered name or dotted path")
+    rollout.add_argument("--eval-function-path", default=None)
+    rollout.add_argument("--data-source-path", default="prompts", help="registered name or dotted path")
+    rollout.add_argument("--custom-generate-function-path", default=None)
+    rollout.add_argument("--rm-type", default=None, help="registered reward function name")
+    rollout.add_argument("--custom-rm-path", default=None)
+    rollout.add_argument("--reward-key", default=None)
+    rollout.add_argument("--dynamic-sampling-filter-path", default=None)
+    rollout.add_argument("--rollout-sample-filter-path", default=None)
+    rollout.add_argument("--rollout-all-samples-process-path", default=None)
+    rollout.add_argument("--custom-reward-post-process-path", default=None)
+    rollout.add_argument("--custom-convert-samples-to-train-data-path", default=None)
+
+    train = parser.add_argument_group("training")
+    train.add_argument("--train-backend", default="torch", help="training backend plugin name")
+    train.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "gspo", "reinforce_plus_plus", "ppo"])
+    train.add_argument("--use-critic", action="store_true")
+    train.add_argument("--num-critic-only-steps", type=int, default=0)
+    train.add_argument("--rewards-normalization", action=argparse.BooleanOptionalAction, default=True)
+    train.add_argument("--grpo-std-normalization", action=argparse.BooleanOptionalAction, default=True)
+    train.add_argument("--global-batch-size", type=int, default=None)
+    train.add_argument("--micro-batch-size", type=int, default=8)
+    train.add_argument("--use-dynamic-batch-size", action="store_true")
+    train.add_argument("--max-tokens-per-gpu", type=int, default=None)
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--kl-coef", type=float, default=0.0)
+    train.add_argument("--eps-clip", type=float, default=0.2)
+    train.add_argument("--actor-num-nodes", type=int, default=1)
+    train.add_argument("--actor-num-gpus-per-node", type=int, default=1, help="ranks per node (CPU processes on CPU)")
+    train.add_argument("--update-weight-mode", default="full")
+    train.add_argument("--update-weight-transport", default="disk", choices=["disk", "nccl", "tensor"])
+    train.add_argument("--update-weight-disk-dir", default=None)
+    train.add_argument("--seed", type=int, default=1234)
+
+    ckpt = parser.add_argument_group("checkpoints")
+    ckpt.add_argument("--save", default=None, help="checkpoint directory (joint commits with straw)")
+    ckpt.add_argument("--load", default=None, help="checkpoint directory or committed_<step>.json to restore")
+    ckpt.add_argument("--ckpt-step", type=int, default=None, help="restore this step into a new branch")
+    ckpt.add_argument("--save-interval", type=int, default=None)
+    ckpt.add_argument("--checkpoint-policy", default=None, help="override the transport's checkpoint policy")
+    ckpt.add_argument("--keep-last-checkpoints", type=int, default=None)
+    ckpt.add_argument("--keep-every-checkpoint", type=int, default=None)
+    ckpt.add_argument("--no-save-optim", action="store_true")
+    ckpt.add_argument("--no-save-rng", action="store_true")
+    ckpt.add_argument("--no-load-optim", action="store_true")
+    ckpt.add_argument("--no-load-rng", action="store_true")
+
+    debug = parser.add_argument_group("debugging")
+    debug.add_argument(
+        "--save-debug-rollout-data", default=None, help="path template, e.g. dumps/{rollout_id}.straw.json"
+    )
+    debug.add_argument("--load-debug-rollout-data", default=None, help="replay archived rollouts into training")
+    debug.add_argument("--debug-train-only", action="store_true")
+    debug.add_argument("--debug-rollout-only", action="store_true")
+    debug.add_argument("--eval-interval", type=int, default=None)
+    debug.add_argument("--metrics-dir", default=None)
+
+
+def build_parser(pm: Any = None) -> argparse.ArgumentParser:
+    """The full parser; with a plugin manager, plugins' options are added too."""
+    parser = argparse.ArgumentParser(
+        prog="slime-run",
+        description="Train a language model with RL (GRPO/PPO-style) on Ray. With --plugin straw every rollout "
+        "is durable on shared storage and the run resumes from its last joint checkpoint when rerun.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add_plugin_arguments(parser)
+    _add_run_arguments(parser)
+    if pm is not None:
+        pm.hook.slime_addoption.call_historic(kwargs={"parser": parser})
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None, *, return_restore_plan: bool = False) -> Any:
+    """Parse a run's command line with its plugins; optionally resolve the checkpoint to restore."""
+    pre = argparse.ArgumentParser(add_help=False)
+    add_plugin_arguments(pre)
+    known, _ = pre.parse_known_args(argv)
+    selection = PluginSelection.from_cli(known.plugins, disable_autoload=known.disable_plugin_autoload)
+    pm = build_plugin_manager(selection)
+    registry = collect_registry(pm)
+    parser = build_parser(pm)
+    defaults = named_plugin_defaults(pm, selection)
+    for dest, (plugin, value) in defaults.items():
+        logger.info("plugin %s sets default --%s=%r", plugin, dest.replace("_", "-"), value)
+    parser.set_defaults(**{dest: value for dest, (_, value) in defaults.items()})
+    args = parser.parse_args(argv)
+    args.plugin_selection = selection
+    args.plugin_defaults = {dest: plugin for dest, (plugin, _) in defaults.items()}
+    if args.rollout_data_transport not in registry.kinds["transports"]:
+        available = ", ".join(sorted(registry.kinds["transports"]))
+        parser.error(
+            f"--rollout-data-transport {args.rollout_data_transport!r} is not provided by any plugin ({available})"
+        )
+    if args.rollout_data_compression == "none":
+        args.rollout_data_compression = None
+    pm.hook.slime_configure(args=args)
+    if not return_restore_plan:
+        return args
+    from slime.data.checkpoint import resolve_checkpoint
+
+    return resolve_checkpoint(args)
