@@ -237,3 +237,18 @@ def slime_rollout_engines() -> Iterable[RolloutEngineSpec]:
             requires_gpu=False,
         )
     ]
+
+
+@hookimpl
+def slime_addoption(parser) -> None:
+    group = parser.add_argument_group("cpu engine")
+    group.add_argument(
+        "--rollout-router",
+        choices=["auto", "sglang", "builtin"],
+        default="auto",
+        help="router in front of the engines: sglang-router when installed (auto), or the built-in round robin",
+    )
+    group.add_argument("--cpu-engine-max-batch-size", type=int, default=32, help="requests generated together")
+    group.add_argument("--cpu-engine-batch-wait-ms", type=float, default=5.0, help="time to collect a batch")
+    group.add_argument("--cpu-engine-num-cpus", type=float, default=0, help="Ray CPUs reserved per engine actor")
+    group.add_argument("--cpu-engine-num-threads", type=int, default=1, help="torch threads per engine")

@@ -1,0 +1,494 @@
+"""The built-in torch training backend: one data-parallel rank of a GRPO/PPO-style policy trainer.
+
+`TorchTrainRayActor` is a plain class. `RayTrainGroup` wraps it with `ray.remote(...)` (with the CPUs or
+GPUs it allots) at the point of use, so tests and tools can also drive it in-process. It trains a
+Hugging Face causal LM (`--hf-checkpoint`, default the built-in tiny model) on CPU, or on the GPU of its
+`LOCAL_RANK` when CUDA is present. With `WORLD_SIZE > 1` (the group sets `MASTER_ADDR`, `MASTER_PORT`,
+`RANK`, `WORLD_SIZE` in each actor's environment, or passes them to the constructor) the model is wrapped
+in `DistributedDataParallel` over gloo (NCCL on GPU).
+
+One `train` call is one rollout step: the rank loads its shard (`process_rollout_data`), computes the
+old-policy (and, with `--kl-coef`, reference) log-probs of the response tokens, then takes one AdamW step
+per global batch of the schedule, accumulating gradients over its micro batches. Checkpoints and disk
+weight exports are made durable before they become visible (see `slime.plugins.torch_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from slime import hookimpl
+from slime.plugins import torch_checkpoint as ckpt
+from slime.plugins.torch_losses import grpo_advantages, kl_penalty, masked_mean, pad_right, policy_loss, token_log_probs
+from slime.specs import TrainBackendSpec
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+METRIC_NAMES = ("loss", "pg_loss", "kl", "clipfrac", "ppo_ratio")
+
+
+class TorchTrainRayActor:
+    """One training rank. Call `init` once, then `train`, `save_model` and `update_weights` as the group does.
+
+    The constructor only records the rank; `init` loads the model. Rank and world come from the explicit
+    arguments when given, else from the environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`).
+    """
+
+    def __init__(
+        self,
+        world_size: int | None = None,
+        rank: int | None = None,
+        master_addr: str | None = None,
+        master_port: int | None = None,
+    ) -> None:
+        self.world_size = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(rank if rank is not None else os.environ.get("RANK", "0"))
+        if master_addr is not None:
+            os.environ["MASTER_ADDR"] = master_addr
+        if master_port is not None:
+            os.environ["MASTER_PORT"] = str(master_port)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size} (RANK / WORLD_SIZE)")
+        self.args: Any = None
+        self.model: Any = None
+
+    # ------------------------------------------------------------------ setup
+
+    def init(self, args: Any, role: str, with_ref: bool = False, with_opd_teacher: bool = False) -> int:
+        """Load model, optimizer and (when resuming) their state; return the first rollout id to train."""
+        if role != "actor":
+            raise ValueError(f"the torch backend trains the policy only, not role {role!r}; drop --use-critic")
+        if with_opd_teacher:
+            raise ValueError("the torch backend has no on-policy distillation teacher; choose another --train-backend")
+        estimator = getattr(args, "advantage_estimator", "grpo") or "grpo"
+        if estimator != "grpo":
+            raise ValueError(f"the torch backend supports --advantage-estimator grpo only, got {estimator!r}")
+        from transformers import AutoModelForCausalLM
+
+        self.args = args
+        self.role = role
+        self.device = self._select_device()
+        self._init_process_group()
+        seed = int(getattr(args, "seed", 1234) or 0)
+        torch.manual_seed(seed + self.rank)
+
+        load_root, step = self._checkpoint_to_load(args)
+        finetune = bool(getattr(args, "finetune", False))
+        self.hf_source = self._hf_source(args)
+        source = ckpt.iter_dir(load_root, step) if step is not None else self.hf_source
+        logger.info("rank %d loads the policy from %s", self.rank, source)
+        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(self.device)
+        self.model.train()
+        self.ref_model = None
+        self.kl_coef = float(getattr(args, "kl_coef", 0.0) or 0.0)
+        if with_ref or self.kl_coef != 0.0:
+            ref_source = getattr(args, "ref_load", None) or self.hf_source
+            self.ref_model = AutoModelForCausalLM.from_pretrained(ref_source, dtype=torch.float32).to(self.device)
+            self.ref_model.eval().requires_grad_(False)
+        if self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp = DistributedDataParallel(self.model, device_ids=device_ids)
+        else:
+            self.ddp = None
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=float(getattr(args, "lr", 1e-3)),
+            betas=(float(getattr(args, "adam_beta1", 0.9)), float(getattr(args, "adam_beta2", 0.98))),
+            eps=float(getattr(args, "adam_eps", 1e-8)),
+            weight_decay=float(getattr(args, "weight_decay", 0.0) or 0.0),
+        )
+        warmup = int(getattr(args, "lr_warmup_iters", 0) or 0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda it: min(1.0, (it + 1) / warmup) if warmup > 0 else 1.0
+        )
+        self.global_step = 0
+        self.weight_version = int(getattr(args, "update_weight_start_version", 0) or 0)
+        if step is not None and not finetune:
+            self._load_training_state(ckpt.iter_dir(load_root, step))
+            return step + 1
+        start = getattr(args, "start_rollout_id", None)
+        return int(start) if start is not None else 0
+
+    def _select_device(self) -> torch.device:
+        if torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+            return device
+        return torch.device("cpu")
+
+    def _init_process_group(self) -> None:
+        if self.world_size == 1 or dist.is_initialized():
+            return
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+        if missing:
+            raise RuntimeError(f"world size {self.world_size} needs {' and '.join(missing)} in the environment")
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
+
+    @staticmethod
+    def _hf_source(args: Any) -> str:
+        if getattr(args, "hf_checkpoint", None):
+            return str(args.hf_checkpoint)
+        from slime.plugins.tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+
+    @staticmethod
+    def _checkpoint_to_load(args: Any) -> tuple[Path | None, int | None]:
+        """`(root, step)` of the checkpoint `--load` / `--ckpt-step` select, or `(None, None)` to start fresh.
+
+        A `--load` directory without a tracker and without `--ckpt-step` is a fresh start from
+        `--hf-checkpoint` (the first run of a job whose `--load` equals its `--save`).
+        """
+        load = getattr(args, "load", None)
+        step = getattr(args, "ckpt_step", None)
+        if not load:
+            return None, None
+        root = Path(load)
+        if step is None:
+            step = ckpt.read_tracker(root)
+            if step is None:
+                return None, None
+        directory = ckpt.iter_dir(root, int(step))
+        if not (directory / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model checkpoint {directory} is missing or incomplete (no config.json); "
+                "pick an existing step with --ckpt-step or fix latest_checkpointed_iteration.txt"
+            )
+        return root, int(step)
+
+    def _load_training_state(self, directory: Path) -> None:
+        scheduler_state = ckpt.load_state_file(directory / ckpt.SCHEDULER_FILE)
+        self.scheduler.load_state_dict(scheduler_state["scheduler"])
+        self.global_step = int(scheduler_state["global_step"])
+        if not getattr(self.args, "no_load_optim", False):
+            self.optimizer.load_state_dict(ckpt.load_state_file(directory / ckpt.OPTIMIZER_FILE))
+        if not getattr(self.args, "no_load_rng", False):
+            ckpt.restore_rng_state(ckpt.load_state_file(directory / ckpt.rng_file(self.rank)))
+
+    # --------------------------------------------------------------- training
+
+    def train(self, rollout_id: int, rollout_data_ref: Sequence[Any]) -> dict[str, float]:
+        """Train on this rank's shard of one rollout step (`rollout_data_ref`: one reference per rank)."""
+        from slime.utils.data import process_rollout_data
+
+        data = process_rollout_data(rollout_data_ref, self.rank, self.world_size)
+        return self.train_from_data(rollout_id, data)
+
+    def train_from_data(self, rollout_id: int, data: dict[str, Any]) -> dict[str, float]:
+        """One rollout step on an already loaded shard (the dict `process_rollout_data` returns)."""
+        batch = _Batch.from_data(data)
+        schedule = self._schedule(data, len(batch))
+        advantages = self._advantages(data, batch)
+        micro_batches = [mb for step in schedule for mb in step[1]]
+        old_log_probs = self._old_log_probs(data, batch, micro_batches)
+        ref_log_probs = self._frozen_log_probs(self.ref_model, batch, micro_batches) if self.ref_model else None
+
+        eps_clip = float(getattr(self.args, "eps_clip", 0.2))
+        eps_clip_high = getattr(self.args, "eps_clip_high", None)
+        kl_type = getattr(self.args, "kl_loss_type", None) or "k3"
+        clip_grad = float(getattr(self.args, "clip_grad", 1.0) or 0.0)
+        sums = torch.zeros(len(METRIC_NAMES) + 1, dtype=torch.float64)
+        grad_norms = []
+        trained = self.ddp if self.ddp is not None else self.model
+        for global_size, step_micro_batches in schedule:
+            self.optimizer.zero_grad(set_to_none=True)
+            for position, indices in enumerate(step_micro_batches):
+                last = position == len(step_micro_batches) - 1
+                sync = self.ddp.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
+                with sync:
+                    if not indices:
+                        # Keeps DDP's gradient all-reduce in step with ranks that do have samples here.
+                        trained(torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits.sum().mul(0).backward()
+                        continue
+                    log_probs, mask = self._log_probs(trained, batch, indices)
+                    old = pad_right([old_log_probs[i] for i in indices]).to(self.device)
+                    adv = pad_right([advantages[i] for i in indices]).to(self.device)
+                    pg_tok, clipped = policy_loss(log_probs, old, adv, eps_clip, eps_clip_high)
+                    per_token = pg_tok
+                    if ref_log_probs is not None:
+                        ref = pad_right([ref_log_probs[i] for i in indices]).to(self.device)
+                        kl_tok = kl_penalty(log_probs, ref, kl_type)
+                        per_token = pg_tok + self.kl_coef * kl_tok
+                    else:
+                        kl_tok = torch.zeros_like(pg_tok)
+                    sample_loss = masked_mean(per_token, mask)
+                    # Per-sample mean over tokens, summed over the global batch; DDP averages over ranks.
+                    (sample_loss.sum() * (self.world_size / global_size)).backward()
+                    with torch.no_grad():
+                        ratio = torch.exp(log_probs - old)
+                        for k, values in enumerate((per_token, pg_tok, kl_tok, clipped, ratio)):
+                            sums[k] += masked_mean(values, mask).sum().item()
+                        sums[-1] += len(indices)
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else float("inf"))
+            grad_norms.append(float(norm))
+            self.optimizer.step()
+            self.scheduler.step()
+            self.global_step += 1
+        sums = self._all_reduce(sums)
+        count = max(float(sums[-1]), 1.0)
+        metrics = {f"train/{name}": float(sums[k]) / count for k, name in enumerate(METRIC_NAMES)}
+        metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+        metrics["train/lr"] = float(self.scheduler.get_last_lr()[0])
+        metrics["train/steps"] = float(len(schedule))
+        metrics["train/rollout_id"] = float(rollout_id)
+        return metrics
+
+    def _schedule(self, data: dict[str, Any], n_local: int) -> list[tuple[int, list[list[int]]]]:
+        """`[(global_batch_size, [micro batch indices, ...]), ...]`, one entry per optimizer step.
+
+        From the data's schedule (`global_batch_sizes`, `num_microbatches`, `micro_batch_indices`) when the
+        batch builder planned one; otherwise one step over the whole rollout in `--micro-batch-size` chunks,
+        with every rank running as many micro batches as the busiest one.
+        """
+        if "num_microbatches" in data:
+            sizes = [int(x) for x in data["global_batch_sizes"]]
+            counts = [int(x) for x in data["num_microbatches"]]
+            flat = [[int(i) for i in mb] for mb in data["micro_batch_indices"]]
+            if len(sizes) != len(counts) or sum(counts) != len(flat):
+                raise ValueError(
+                    f"inconsistent training schedule: {len(sizes)} global batch sizes, micro batch counts {counts}, "
+                    f"{len(flat)} micro batches"
+                )
+            steps, start = [], 0
+            for size, count in zip(sizes, counts, strict=True):
+                steps.append((size, flat[start : start + count]))
+                start += count
+            return steps
+        size = int(getattr(self.args, "micro_batch_size", 8) or 8)
+        chunks = [list(range(i, min(i + size, n_local))) for i in range(0, n_local, size)]
+        stats = self._all_reduce(torch.tensor([float(n_local)], dtype=torch.float64))
+        count = int(self._all_reduce(torch.tensor([float(len(chunks))]), op=dist.ReduceOp.MAX).item())
+        chunks += [[] for _ in range(count - len(chunks))]
+        return [(int(stats.item()), chunks)]
+
+    def _advantages(self, data: dict[str, Any], batch: _Batch) -> list[torch.Tensor]:
+        """Per-token advantages (one 1-D tensor per sample, of its response length)."""
+        for key in ("advantages", "returns"):
+            if key in data:
+                return [batch.broadcast(i, value) for i, value in enumerate(data[key])]
+        if "rewards" not in data:
+            raise ValueError("training data has none of 'advantages', 'returns', 'rewards'; nothing to learn from")
+        rewards = torch.as_tensor([float(r) for r in data["rewards"]], dtype=torch.float32)
+        if getattr(self.args, "rewards_normalization", True):
+            n = int(getattr(self.args, "n_samples_per_prompt", 1) or 1)
+            positions = torch.as_tensor(data.get("partition", range(len(batch))), dtype=torch.long)
+            group_ids = positions // n
+            local_groups = int(group_ids.max().item()) + 1 if len(batch) else 0
+            num_groups = int(self._all_reduce(torch.tensor([float(local_groups)]), op=dist.ReduceOp.MAX).item())
+            rewards = grpo_advantages(
+                rewards,
+                group_ids,
+                num_groups,
+                std_normalization=bool(getattr(self.args, "grpo_std_normalization", True)),
+                all_reduce=self._all_reduce if self.world_size > 1 else None,
+            )
+        return [batch.broadcast(i, float(r)) for i, r in enumerate(rewards)]
+
+    def _old_log_probs(self, data: dict[str, Any], batch: _Batch, micro_batches: list[list[int]]) -> list[torch.Tensor]:
+        if getattr(self.args, "use_rollout_logprobs", False) and "rollout_log_probs" in data:
+            values = [torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in data["rollout_log_probs"]]
+            for i, value in enumerate(values):
+                if value.numel() != batch.response_lengths[i]:
+                    raise ValueError(
+                        f"sample {i}: {value.numel()} rollout log-probs for {batch.response_lengths[i]} response tokens"
+                    )
+            return values
+        return self._frozen_log_probs(self.model, batch, micro_batches)
+
+    def _frozen_log_probs(self, model: Any, batch: _Batch, micro_batches: list[list[int]]) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(batch)
+        with torch.no_grad():
+            for indices in micro_batches:
+                if not indices:
+                    continue
+                log_probs, _ = self._log_probs(model, batch, indices)
+                for row, i in enumerate(indices):
+                    out[i] = log_probs[row, : batch.response_lengths[i]].cpu()
+        missing = [i for i, value in enumerate(out) if value is None]
+        if missing:
+            raise ValueError(f"samples {missing[:8]} of this rank's shard are in no micro batch of the schedule")
+        return out  # type: ignore[return-value]
+
+    def _log_probs(self, model: Any, batch: _Batch, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Response-token log-probs `[B, R_max]` and the loss mask for samples `indices` (right padded).
+
+        No attention mask is needed: padding sits after every real token, and causal attention keeps
+        it from influencing them.
+        """
+        tokens = pad_right([batch.tokens[i] for i in indices], dtype=torch.long).to(self.device)
+        logits = model(tokens).logits
+        all_log_probs = token_log_probs(logits[:, :-1], tokens[:, 1:])
+        rows = []
+        for row, i in enumerate(indices):
+            total, response = batch.total_lengths[i], batch.response_lengths[i]
+            rows.append(all_log_probs[row, total - response - 1 : total - 1])
+        width = max(batch.response_lengths[i] for i in indices)
+        log_probs = torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows])
+        mask = pad_right([batch.loss_masks[i] for i in indices]).to(self.device)
+        return log_probs, mask
+
+    def _all_reduce(self, tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
+        if self.world_size == 1:
+            return tensor
+        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        moved = tensor.to(device)
+        dist.all_reduce(moved, op=op if op is not None else dist.ReduceOp.SUM)
+        return moved.to(tensor.device)
+
+    def _all_ok(self, ok: bool) -> bool:
+        """Collective: True when `ok` holds on every rank (every rank must call it at the same point)."""
+        return bool(self._all_reduce(torch.tensor([1.0 if ok else 0.0]), op=dist.ReduceOp.MIN).item() == 1.0)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
+        """Write `<save>/iter_<rollout_id:07d>/` atomically, then the tracker (`force_sync`: saves are always
+        synchronous here; the argument is accepted for the group's calling convention)."""
+        save = getattr(self.args, "save", None)
+        if not save:
+            raise ValueError("save_model needs --save (the checkpoint directory)")
+        root = Path(save)
+        staging = ckpt.partial_dir(root, rollout_id)
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                if staging.exists():
+                    shutil.rmtree(staging)
+                staging.mkdir()
+            except OSError as exc:
+                error = exc
+        if self._all_ok(error is None):
+            try:
+                if not getattr(self.args, "no_save_rng", False):
+                    torch.save(ckpt.capture_rng_state(), staging / ckpt.rng_file(self.rank))
+            except OSError as exc:
+                error = exc
+            if self._all_ok(error is None) and self.rank == 0:
+                try:
+                    self._write_rank0_checkpoint(root, staging, rollout_id)
+                except BaseException as exc:
+                    error = exc
+        if self.rank == 0 and error is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if not self._all_ok(error is None):
+            if error is not None:
+                raise RuntimeError(f"saving {ckpt.iter_dir(root, rollout_id)} failed: {error}") from error
+            raise RuntimeError(f"saving {ckpt.iter_dir(root, rollout_id)} failed on another rank")
+
+    def _write_rank0_checkpoint(self, root: Path, staging: Path, rollout_id: int) -> None:
+        self.model.save_pretrained(staging, safe_serialization=True)
+        if not getattr(self.args, "no_save_optim", False):
+            torch.save(self.optimizer.state_dict(), staging / ckpt.OPTIMIZER_FILE)
+        torch.save(
+            {"scheduler": self.scheduler.state_dict(), "global_step": self.global_step},
+            staging / ckpt.SCHEDULER_FILE,
+        )
+        ckpt.publish_dir(staging, ckpt.iter_dir(root, rollout_id))
+        ckpt.write_text_atomic(root / ckpt.TRACKER_FILE, str(rollout_id))
+
+    # ---------------------------------------------------------- weight update
+
+    def update_weights(self) -> None:
+        """Export the current weights for the engines: `<update_weight_disk_dir>/weight_v{version:06d}/`.
+
+        The version counts from `update_weight_start_version`, as the group's does. Rank 0 writes (DDP keeps
+        every rank's weights equal); the directory appears complete or not at all. The group then tells the
+        engines to reload it.
+        """
+        transport = getattr(self.args, "update_weight_transport", "disk") or "disk"
+        if transport != "disk":
+            raise ValueError(f"the torch backend updates engine weights through disk only, not {transport!r}")
+        disk_dir = getattr(self.args, "update_weight_disk_dir", None)
+        if not disk_dir:
+            raise ValueError("disk weight updates need --update-weight-disk-dir (a directory the engines can read)")
+        self.weight_version += 1
+        target = Path(disk_dir) / f"weight_v{self.weight_version:06d}"
+        error: BaseException | None = None
+        if self.rank == 0:
+            staging = target.with_name(f".{target.name}.partial")
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if staging.exists():
+                    shutil.rmtree(staging)
+                self.model.save_pretrained(staging, safe_serialization=True)
+                for name in TOKENIZER_FILES:
+                    source = Path(self.hf_source) / name
+                    if source.is_file():
+                        shutil.copyfile(source, staging / name)
+                ckpt.publish_dir(staging, target)
+            except BaseException as exc:
+                shutil.rmtree(staging, ignore_errors=True)
+                error = exc
+        if not self._all_ok(error is None):
+            raise RuntimeError(f"exporting weights to {target} failed: {error or 'on rank 0'}") from error
+
+
+class _Batch:
+    """This rank's samples as tensors: tokens, response lengths, total lengths, response loss masks."""
+
+    def __init__(self, tokens: list[torch.Tensor], response_lengths: list[int], loss_masks: list[torch.Tensor]):
+        self.tokens = tokens
+        self.response_lengths = response_lengths
+        self.total_lengths = [int(t.numel()) for t in tokens]
+        self.loss_masks = loss_masks
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> _Batch:
+        for key in ("tokens", "response_lengths"):
+            if key not in data:
+                raise ValueError(f"training data lacks {key!r} (keys: {sorted(data)})")
+        tokens = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in data["tokens"]]
+        lengths = [int(r) for r in data["response_lengths"]]
+        if len(lengths) != len(tokens):
+            raise ValueError(f"{len(tokens)} token rows but {len(lengths)} response lengths")
+        masks = data.get("loss_masks")
+        loss_masks = (
+            [torch.as_tensor(m, dtype=torch.float32).reshape(-1) for m in masks]
+            if masks is not None
+            else [torch.ones(r) for r in lengths]
+        )
+        for i, (t, r, m) in enumerate(zip(tokens, lengths, loss_masks, strict=True)):
+            if not 0 < r < t.numel():
+                raise ValueError(f"sample {i}: response length {r} must be positive and leave a prompt ({t.numel()})")
+            if m.numel() != r:
+                raise ValueError(f"sample {i}: loss mask has {m.numel()} entries for a response of {r} tokens")
+        return cls(tokens, lengths, loss_masks)
+
+    def broadcast(self, i: int, value: Any) -> torch.Tensor:
+        """Sample `i`'s advantage as a per-token tensor: a scalar is repeated over its response."""
+        tensor = torch.as_tensor(value, dtype=torch.float32).reshape(-1)
+        if tensor.numel() == 1:
+            return tensor.expand(self.response_lengths[i]).clone()
+        if tensor.numel() != self.response_lengths[i]:
+            raise ValueError(f"sample {i}: {tensor.numel()} advantages for {self.response_lengths[i]} response tokens")
+        return tensor
+
+
+@hookimpl
+def slime_train_backends() -> Iterable[TrainBackendSpec]:
+    return [
+        TrainBackendSpec(
+            "torch",
+            TorchTrainRayActor,
+            "PyTorch policy trainer (HF causal LM, AdamW, GRPO/PPO clipped loss, DDP over gloo); CPU or one GPU "
+            "per rank; plain class, wrapped with ray.remote by RayTrainGroup",
+            requires_gpu=False,
+        )
+    ]

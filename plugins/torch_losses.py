@@ -1,0 +1,111 @@
+"""Loss functions of the torch training backend: pure tensor functions, no model, no process group.
+
+Shapes: token-level tensors are `[batch, response_len]` (padded on the right); `mask` is 1 on tokens that
+count and 0 on padding and on tokens the loss mask excludes (tool output, prompt). Per-sample values
+(rewards, scalar advantages) are `[batch]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Mean of `values` over `dim` counting only masked-in tokens; 0 for a row with no token in the mask."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each target token under `logits` (`[..., vocab]` against `[...]`), in float32."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate per token: `max(-A * r, -A * clip(r, 1 - eps, 1 + eps_high))`, `r = exp(lp - old)`.
+
+    Returns `(loss, clipped)`: both token-level; `clipped` is 1.0 where the clipped branch was taken (it
+    changed the value), so `masked_mean(clipped, mask)` is the clip fraction. `advantages` broadcasts:
+    `[batch, 1]` for one advantage per sample, `[batch, len]` for per-token advantages.
+    """
+    if eps_clip < 0 or (eps_clip_high is not None and eps_clip_high < 0):
+        raise ValueError(f"--eps-clip must be non-negative, got {eps_clip} (high {eps_clip_high})")
+    high = eps_clip if eps_clip_high is None else eps_clip_high
+    ratio = torch.exp(log_probs - old_log_probs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + high)
+    loss = torch.maximum(unclipped, clipped)
+    return loss, (clipped > unclipped).to(log_probs.dtype)
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens.
+
+    k1: `lp - ref` (unbiased, high variance, can be negative); k2: `(lp - ref)^2 / 2`; k3 (also
+    "low_var_kl"): `exp(ref - lp) - (ref - lp) - 1` (unbiased, always >= 0). All are exactly 0 where the
+    policy equals the reference.
+    """
+    delta = log_probs - ref_log_probs
+    if estimator == "k1":
+        return delta
+    if estimator == "k2":
+        return 0.5 * delta.square()
+    if estimator in ("k3", "low_var_kl"):
+        # Clamped as in common practice: exp of a large positive log-ratio would overflow float32.
+        neg = (-delta).clamp(-20.0, 20.0)
+        return torch.exp(neg) - neg - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}; use one of {', '.join(KL_ESTIMATORS)} (--kl-loss-type)")
+
+
+def grpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    num_groups: int,
+    *,
+    std_normalization: bool = True,
+    eps: float = 1e-6,
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """GRPO advantages: each reward minus its group's mean, divided by the group's std when asked.
+
+    `group_ids[i]` names the prompt group of sample `i` (global sample index // n_samples_per_prompt).
+    A data-parallel rank may hold only part of a group; `all_reduce` (an in-place sum over ranks, returning
+    its argument) makes the group statistics global, so every rank computes the same advantages as one
+    process holding the whole batch would. Std is the population std over the group.
+    """
+    if rewards.shape != group_ids.shape or rewards.dim() != 1:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group ids {tuple(group_ids.shape)} must be equal 1-D")
+    rewards = rewards.to(torch.float64)
+    stats = torch.zeros(3, num_groups, dtype=torch.float64)
+    stats[0].index_add_(0, group_ids, torch.ones_like(rewards))
+    stats[1].index_add_(0, group_ids, rewards)
+    stats[2].index_add_(0, group_ids, rewards.square())
+    if all_reduce is not None:
+        stats = all_reduce(stats)
+    count = stats[0].clamp(min=1.0)
+    mean = stats[1] / count
+    var = (stats[2] / count - mean.square()).clamp(min=0.0)
+    advantages = rewards - mean[group_ids]
+    if std_normalization:
+        advantages = advantages / (var.sqrt()[group_ids] + eps)
+    return advantages.to(torch.float32)
+
+
+def pad_right(rows: Sequence[torch.Tensor], value: float = 0.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Stack 1-D tensors of different lengths into `[len(rows), max_len]`, padding on the right."""
+    width = max((int(row.numel()) for row in rows), default=0)
+    out = torch.full((len(rows), width), value, dtype=dtype or (rows[0].dtype if rows else torch.float32))
+    for i, row in enumerate(rows):
+        out[i, : row.numel()] = row
+    return out

@@ -1,0 +1,369 @@
+"""The built-in torch training backend: losses, training steps, checkpoints, weight export, DDP."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import socket
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from slime.plugins import torch_checkpoint as ckpt
+from slime.plugins.torch_backend import TorchTrainRayActor
+from slime.plugins.torch_losses import grpo_advantages, kl_penalty, masked_mean, policy_loss
+
+PROMPT_LEN, RESPONSE_LEN = 4, 3
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+    directory = tmp_path_factory.mktemp("tiny-qwen2")
+    model.save_pretrained(directory, safe_serialization=True)
+    (directory / "tokenizer.json").write_text('{"marker": "tokenizer"}')
+    return directory
+
+
+def make_args(hf_dir: Path, tmp_path: Path, **overrides) -> types.SimpleNamespace:
+    values = dict(
+        hf_checkpoint=str(hf_dir),
+        lr=1e-2,
+        eps_clip=0.2,
+        kl_coef=0.0,
+        n_samples_per_prompt=2,
+        micro_batch_size=2,
+        save=str(tmp_path / "save"),
+        load=None,
+        seed=7,
+        update_weight_disk_dir=str(tmp_path / "weights"),
+    )
+    values.update(overrides)
+    return types.SimpleNamespace(**values)
+
+
+def make_batch(rewards=(1.0, 0.0, 1.0, 0.0)) -> dict:
+    """Two prompts, two responses each; the first response of each prompt is the rewarded one."""
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    responses = [[10, 11, 12], [20, 21, 22], [30, 31, 32], [40, 41, 42]]
+    tokens = [prompts[i // 2] + responses[i] for i in range(4)]
+    return {
+        "tokens": [torch.tensor(t) for t in tokens],
+        "response_lengths": [RESPONSE_LEN] * 4,
+        "loss_masks": [torch.ones(RESPONSE_LEN, dtype=torch.int32) for _ in range(4)],
+        "rewards": list(rewards),
+        "total_lengths": [len(t) for t in tokens],
+    }
+
+
+def start(args, **kw) -> tuple[TorchTrainRayActor, int]:
+    actor = TorchTrainRayActor(world_size=1, rank=0)
+    return actor, actor.init(args, "actor", **kw)
+
+
+def sequence_log_probs(actor: TorchTrainRayActor, data: dict) -> torch.Tensor:
+    from slime.plugins.torch_backend import _Batch
+
+    batch = _Batch.from_data(data)
+    per_sample = actor._frozen_log_probs(actor.model, batch, [list(range(len(batch)))])
+    return torch.stack([lp.sum() for lp in per_sample])
+
+
+def params(actor: TorchTrainRayActor) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in actor.model.state_dict().items()}
+
+
+# ----------------------------------------------------------------- losses
+
+
+def test_policy_loss_clips_the_ratio_on_the_side_the_advantage_favours():
+    old = torch.zeros(1, 4)
+    log_probs = torch.log(torch.tensor([[1.5, 1.5, 0.5, 1.0]])).requires_grad_()
+    advantages = torch.tensor([[1.0, -1.0, 1.0, 1.0]])
+    loss, clipped = policy_loss(log_probs, old, advantages, eps_clip=0.2)
+    assert torch.allclose(loss, torch.tensor([[-1.2, 1.5, -0.5, -1.0]]))
+    assert clipped.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    loss.sum().backward()
+    assert log_probs.grad[0, 0] == 0  # the clipped branch carries no gradient
+    assert log_probs.grad[0, 1] != 0
+    high, _ = policy_loss(log_probs.detach(), old, advantages, eps_clip=0.2, eps_clip_high=0.28)
+    assert math.isclose(high[0, 0].item(), -1.28, rel_tol=1e-6)
+    with pytest.raises(ValueError, match="eps-clip"):
+        policy_loss(log_probs, old, advantages, eps_clip=-0.1)
+
+
+def test_masked_mean_counts_only_masked_in_tokens():
+    values = torch.tensor([[1.0, 2.0, 100.0], [5.0, 7.0, 9.0], [3.0, 3.0, 3.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
+    assert masked_mean(values, mask).tolist() == [1.5, 7.0, 0.0]
+
+
+def test_kl_is_zero_when_policy_equals_reference():
+    log_probs = torch.log(torch.tensor([[0.2, 0.5, 0.9]]))
+    for estimator in ("k1", "k2", "k3", "low_var_kl"):
+        assert torch.equal(kl_penalty(log_probs, log_probs.clone(), estimator), torch.zeros(1, 3))
+    other = log_probs + torch.tensor([[0.3, -0.2, 0.1]])
+    assert (kl_penalty(log_probs, other, "k3") > 0).all()
+    assert (kl_penalty(log_probs, other, "k2") > 0).all()
+    with pytest.raises(ValueError, match="unknown KL estimator 'k9'"):
+        kl_penalty(log_probs, other, "k9")
+
+
+def test_grpo_advantages_normalise_per_group_and_agree_across_shards():
+    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0, 2.0, 0.0])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    full = grpo_advantages(rewards, groups, 3)
+    assert torch.allclose(full, torch.tensor([1.0, -1.0, 0.0, 0.0, 1.0, -1.0]), atol=1e-5)
+    centred = grpo_advantages(rewards, groups, 3, std_normalization=False)
+    assert torch.allclose(centred, torch.tensor([0.5, -0.5, 0.0, 0.0, 1.0, -1.0]))
+
+    # Shards split every group; summing their statistics gives the single-process answer.
+    a, b = [0, 2, 4], [1, 3, 5]
+    seen = {}
+    grpo_advantages(rewards[b], groups[b], 3, all_reduce=lambda s: seen.setdefault("b", s.clone()))
+    shard = grpo_advantages(rewards[a], groups[a], 3, all_reduce=lambda s: s + seen["b"])
+    assert torch.allclose(shard, full[a], atol=1e-6)
+    with pytest.raises(ValueError, match="must be equal 1-D"):
+        grpo_advantages(rewards, groups[:2], 3)
+
+
+# --------------------------------------------------------------- training
+
+
+def test_training_raises_log_prob_of_rewarded_responses(hf_dir, tmp_path):
+    actor, start_id = start(make_args(hf_dir, tmp_path))
+    assert start_id == 0
+    data = make_batch()
+    before = sequence_log_probs(actor, data)
+    history = [actor.train_from_data(step, data) for step in range(4)]
+    after = sequence_log_probs(actor, data)
+    assert (after[[0, 2]] > before[[0, 2]]).all(), (before, after)
+    assert (after[[1, 3]] < before[[1, 3]]).all(), (before, after)
+    first = history[0]
+    assert set(first) >= {"train/loss", "train/pg_loss", "train/kl", "train/clipfrac", "train/grad_norm", "train/lr"}
+    assert math.isclose(first["train/ppo_ratio"], 1.0, rel_tol=1e-6)  # old log-probs come from the same weights
+    assert first["train/clipfrac"] == 0.0 and first["train/kl"] == 0.0
+    assert all(math.isfinite(v) and v >= 0 for m in history for v in (m["train/grad_norm"], m["train/clipfrac"]))
+    assert actor.global_step == 4
+
+
+def test_loss_mask_excludes_tokens_and_precomputed_advantages_win(hf_dir, tmp_path):
+    actor, _ = start(make_args(hf_dir, tmp_path))
+    data = make_batch()
+    data["loss_masks"] = [torch.zeros(RESPONSE_LEN, dtype=torch.int32) for _ in range(4)]
+    weights = params(actor)
+    metrics = actor.train_from_data(0, data)
+    assert metrics["train/grad_norm"] == 0.0
+    assert all(torch.equal(weights[k], v) for k, v in params(actor).items())
+
+    # Advantages in the data replace the reward-based ones: here they reverse the preference.
+    data = make_batch()
+    data["advantages"] = [-1.0, 1.0, -1.0, 1.0]
+    before = sequence_log_probs(actor, data)
+    for step in range(3):
+        actor.train_from_data(step, data)
+    after = sequence_log_probs(actor, data)
+    assert (after[[1, 3]] > before[[1, 3]]).all() and (after[[0, 2]] < before[[0, 2]]).all()
+
+
+def test_kl_to_reference_starts_at_zero_and_grows(hf_dir, tmp_path):
+    actor, _ = start(make_args(hf_dir, tmp_path, kl_coef=0.1, kl_loss_type="k3"))
+    assert actor.ref_model is not None
+    data = make_batch()
+    first = actor.train_from_data(0, data)
+    assert first["train/kl"] == 0.0
+    later = [actor.train_from_data(step, data) for step in range(1, 3)]
+    assert later[-1]["train/kl"] > 0.0
+
+
+def test_schedule_from_the_batch_builder_gives_one_step_per_global_batch(hf_dir, tmp_path):
+    actor, _ = start(make_args(hf_dir, tmp_path))
+    data = make_batch()
+    data.update(partition=[0, 1, 2, 3], global_batch_sizes=[2, 2], num_microbatches=[1, 1])
+    data["micro_batch_indices"] = [[0, 1], [2, 3]]
+    metrics = actor.train_from_data(0, data)
+    assert metrics["train/steps"] == 2.0 and actor.global_step == 2
+    data["num_microbatches"] = [1, 2]
+    with pytest.raises(ValueError, match="inconsistent training schedule"):
+        actor.train_from_data(1, data)
+
+
+def test_bad_training_data_is_rejected_with_the_reason(hf_dir, tmp_path):
+    actor, _ = start(make_args(hf_dir, tmp_path))
+    data = make_batch()
+    data["loss_masks"][2] = torch.ones(RESPONSE_LEN + 1)
+    with pytest.raises(ValueError, match="sample 2: loss mask has 4 entries"):
+        actor.train_from_data(0, data)
+    data = make_batch()
+    data["response_lengths"][0] = PROMPT_LEN + RESPONSE_LEN
+    with pytest.raises(ValueError, match="leave a prompt"):
+        actor.train_from_data(0, data)
+    data = make_batch()
+    data["rollout_log_probs"] = [torch.zeros(RESPONSE_LEN - 1)] * 4
+    actor.args.use_rollout_logprobs = True
+    with pytest.raises(ValueError, match="sample 0: 2 rollout log-probs for 3 response tokens"):
+        actor.train_from_data(0, data)
+    data = make_batch()
+    del data["rewards"]
+    with pytest.raises(ValueError, match="nothing to learn from"):
+        actor.train_from_data(0, data)
+
+
+def test_unsupported_roles_and_estimators_fail_at_init(hf_dir, tmp_path):
+    with pytest.raises(ValueError, match="drop --use-critic"):
+        TorchTrainRayActor(world_size=1, rank=0).init(make_args(hf_dir, tmp_path), "critic")
+    with pytest.raises(ValueError, match="advantage-estimator grpo"):
+        start(make_args(hf_dir, tmp_path, advantage_estimator="ppo"))
+
+
+# ------------------------------------------------------------ checkpoints
+
+
+def test_save_load_round_trip_restores_weights_optimizer_and_rng(hf_dir, tmp_path):
+    args = make_args(hf_dir, tmp_path)
+    data = make_batch()
+    first, _ = start(args)
+    first.train_from_data(0, data)
+    first.save_model(0)
+    saved_weights = params(first)
+    saved_moments = {k: v.clone() for k, v in first.optimizer.state[next(iter(first.optimizer.state))].items()}
+    root = Path(args.save)
+    assert (root / ckpt.TRACKER_FILE).read_text() == "0"
+    names = {p.name for p in ckpt.iter_dir(root, 0).iterdir()}
+    assert {"config.json", "model.safetensors", "optimizer.pt", "opt_param_scheduler.pt", "rng_state_rank0.pt"} <= names
+    assert not list(root.glob(".*"))  # no staging left behind
+
+    draw = (torch.rand(4), random.random(), np.random.rand())
+    first.train_from_data(1, data)
+    expected = params(first)
+
+    resumed, start_id = start(make_args(hf_dir, tmp_path, load=args.save))
+    assert start_id == 1
+    assert all(torch.equal(saved_weights[k], v) for k, v in params(resumed).items())
+    moments = resumed.optimizer.state[next(iter(resumed.optimizer.state))]
+    assert all(torch.equal(saved_moments[k], moments[k]) for k in saved_moments)
+    assert resumed.global_step == 1
+    redraw = (torch.rand(4), random.random(), np.random.rand())
+    assert torch.equal(redraw[0], draw[0]) and redraw[1:] == draw[1:]
+    resumed.train_from_data(1, data)
+    assert all(torch.equal(expected[k], v) for k, v in params(resumed).items())
+
+    fresh_optim, _ = start(make_args(hf_dir, tmp_path, load=args.save, no_load_optim=True))
+    assert not fresh_optim.optimizer.state
+    finetune, start_id = start(make_args(hf_dir, tmp_path, load=args.save, finetune=True))
+    assert start_id == 0 and finetune.global_step == 0
+
+
+def test_load_without_tracker_starts_fresh_and_missing_step_fails(hf_dir, tmp_path):
+    (tmp_path / "empty").mkdir()
+    _, start_id = start(make_args(hf_dir, tmp_path, load=str(tmp_path / "empty")))
+    assert start_id == 0
+    with pytest.raises(FileNotFoundError, match="--ckpt-step"):
+        start(make_args(hf_dir, tmp_path, load=str(tmp_path / "empty"), ckpt_step=5))
+
+
+def test_failed_save_leaves_no_half_directory_and_keeps_the_tracker(hf_dir, tmp_path, monkeypatch):
+    args = make_args(hf_dir, tmp_path)
+    actor, _ = start(args)
+    actor.save_model(0)
+    real_save = torch.save
+
+    def failing_save(obj, path, *a, **kw):
+        if Path(path).name == ckpt.OPTIMIZER_FILE:
+            raise OSError("disk full")
+        return real_save(obj, path, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    with pytest.raises(RuntimeError, match="iter_0000001 failed: disk full"):
+        actor.save_model(1)
+    root = Path(args.save)
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000000", ckpt.TRACKER_FILE]
+    assert (root / ckpt.TRACKER_FILE).read_text() == "0"
+    with pytest.raises(ValueError, match="--save"):
+        start(make_args(hf_dir, tmp_path, save=None))[0].save_model(0)
+
+
+def test_disk_weight_export_is_loadable_by_from_pretrained(hf_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    args = make_args(hf_dir, tmp_path, update_weight_start_version=3)
+    actor, _ = start(args)
+    actor.train_from_data(0, make_batch())
+    actor.update_weights()
+    target = Path(args.update_weight_disk_dir) / "weight_v000004"
+    assert sorted(p.name for p in Path(args.update_weight_disk_dir).iterdir()) == ["weight_v000004"]
+    loaded = AutoModelForCausalLM.from_pretrained(target)
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in params(actor).items())
+    assert json.loads((target / "tokenizer.json").read_text()) == {"marker": "tokenizer"}
+    actor.update_weights()
+    assert (Path(args.update_weight_disk_dir) / "weight_v000005" / "model.safetensors").is_file()
+
+    with pytest.raises(ValueError, match="--update-weight-disk-dir"):
+        start(make_args(hf_dir, tmp_path, update_weight_disk_dir=None))[0].update_weights()
+    with pytest.raises(ValueError, match="disk only"):
+        start(make_args(hf_dir, tmp_path, update_weight_transport="nccl"))[0].update_weights()
+
+
+def test_the_plugin_registers_the_torch_backend():
+    from slime.plugin_manager import registry_for
+
+    spec = registry_for(types.SimpleNamespace()).get("train_backends", "torch")
+    assert spec.target is TorchTrainRayActor and spec.requires_gpu is False
+
+
+# -------------------------------------------------------------------- DDP
+
+
+def _ddp_worker(rank: int, port: int, hf: str, out: str) -> None:
+    torch.set_num_threads(1)
+    args = make_args(Path(hf), Path(out), save=str(Path(out) / "save"))
+    actor = TorchTrainRayActor(world_size=2, rank=rank, master_addr="127.0.0.1", master_port=port)
+    actor.init(args, "actor")
+    full = make_batch(rewards=(1.0, 0.0, 0.0, 1.0))
+    partition = [[0, 2], [1, 3]][rank]  # every prompt group is split across the two ranks
+    shard = {key: [full[key][i] for i in partition] for key in ("tokens", "response_lengths", "loss_masks", "rewards")}
+    shard.update(partition=partition, global_batch_sizes=[4], num_microbatches=[1], micro_batch_indices=[[0, 1]])
+    metrics = [actor.train_from_data(step, shard) for step in range(2)]
+    actor.save_model(1)
+    torch.save({"params": params(actor), "metrics": metrics}, Path(out) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_rank_ddp_over_gloo_keeps_ranks_identical_and_matches_one_process(hf_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(port, str(hf_dir), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert all(torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]) for k in ranks[0]["params"])
+    assert ranks[0]["metrics"] == ranks[1]["metrics"]
+    assert {p.name for p in ckpt.iter_dir(tmp_path / "save", 1).glob("rng_state_rank*.pt")} == {
+        "rng_state_rank0.pt",
+        "rng_state_rank1.pt",
+    }
+
+    single, _ = start(make_args(hf_dir, tmp_path / "single", micro_batch_size=4))
+    data = make_batch(rewards=(1.0, 0.0, 0.0, 1.0))
+    expected = [single.train_from_data(step, data) for step in range(2)]
+    for got, want in zip(ranks[0]["metrics"], expected, strict=True):
+        assert math.isclose(got["train/loss"], want["train/loss"], rel_tol=1e-4, abs_tol=1e-6)
+    diff = max((ranks[0]["params"][k] - v).abs().max().item() for k, v in params(single).items())
+    assert diff < 1e-4, diff
