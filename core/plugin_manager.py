@@ -153,7 +153,8 @@ class Registry:
         specs = self.kinds[kind]
         if name not in specs:
             available = ", ".join(sorted(specs)) or "none"
-            raise PluginError(f"No {kind[:-1].replace('_', ' ')} named {name!r}; available: {available}")
+            singular = kind.removesuffix("s").replace("_", " ").replace("policie", "policy")
+            raise PluginError(f"No {singular} named {name!r}; available: {available}")
         return specs[name]
 
     def find(self, name: str, kinds: Iterable[str]) -> ProvidedSpec | None:
