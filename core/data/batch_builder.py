@@ -1,0 +1,436 @@
+"""`BatchBuilder`: turn one accepted rollout step into per-rank training shares, durably and replayably.
+
+With a durable transport every training batch is a control task in the queue's accepted log:
+`begin` persists the batch's selection and conversion configuration (the *plan*) before any hook runs,
+`publish_converted` publishes the conversion and accepts it as the batch task's result, and `split_by_dp`
+hands each data-parallel rank a small `TrainBatchRef` (a column selection of that one conversion plus the
+rank's schedule), so no per-rank payload is ever written. Replaying `begin` after a crash reuses the stored
+plan and, once converted, rebuilds the very same per-rank references without writing anything.
+In-memory transports convert and put per-rank dicts into Ray as before.
+
+Module-level `ray` and `build_dp_schedule` are looked up at call time (tests patch them).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from slime.data.refs import DiskPayloadRef, TrainBatchRef
+from slime.data.transport import pack_rollout_payload, rollout_store, use_straw
+from slime.utils.dp_schedule import build_dp_schedule
+from slime.utils.misc import Box, load_function
+from slime.utils.types import Sample
+
+#: Per-sample columns partitioned across data-parallel ranks.
+PARTITIONED_FIELDS = (
+    "tokens",
+    "multimodal_train_inputs",
+    "response_lengths",
+    "rewards",
+    "truncated",
+    "loss_masks",
+    "round_number",
+    "sample_indices",
+    "rollout_ids",
+    "rollout_mask_sums",
+    "rollout_log_probs",
+    "rollout_topk_token_ids",
+    "rollout_topk_log_probs",
+    "rollout_top_p_token_ids",
+    "rollout_top_p_token_offsets",
+    "rollout_top_p_log_probs",
+    "rollout_routed_experts",
+    "source_names",
+    "prompt",
+    "teacher_log_probs",
+)
+#: Columns every rank receives whole.
+GLOBAL_FIELDS = ("raw_reward", "total_lengths")
+#: Arguments that change what a batch trains on; part of the plan identity.
+PLAN_CONFIGURATION = (
+    "custom_reward_post_process_path",
+    "custom_convert_samples_to_train_data_path",
+    "advantage_estimator",
+    "rewards_normalization",
+    "grpo_std_normalization",
+    "reward_key",
+    "global_batch_size",
+    "micro_batch_size",
+    "use_dynamic_batch_size",
+    "balance_data",
+    "balance_by_flops",
+    "n_samples_per_prompt",
+    "rollout_batch_size",
+    "use_score_centering",
+    "use_rollout_routing_replay",
+)
+_GROUP_NORMALIZED = {"grpo", "gspo", "reinforce_plus_plus_baseline"}
+_STD_NORMALIZED = {"grpo", "gspo"}
+_OPTIONAL_SAMPLE_FIELDS = (
+    "rollout_log_probs",
+    "rollout_topk_token_ids",
+    "rollout_topk_log_probs",
+    "teacher_log_probs",
+    "multimodal_train_inputs",
+)
+
+
+def _record_set(value: Any) -> Any:
+    from straw.protocol import RecordSetRef
+
+    return value if isinstance(value, RecordSetRef) else RecordSetRef.from_dict(value)
+
+
+def _take(values: Any, indices: list[int]) -> Any:
+    if hasattr(values, "shape") and hasattr(values, "__getitem__") and not isinstance(values, list):
+        return values[indices]
+    return [values[i] for i in indices]
+
+
+class BatchBuilder:
+    """Plans, converts and shards one training batch per rollout step (see the module docstring)."""
+
+    def __init__(self, args: Any, *, controller: Any = None) -> None:
+        self.args = args
+        self.controller = controller
+        self.rollout_id = -1
+        self.raw_ref = None
+        self.batch_id: str | None = None
+        self._plan: DiskPayloadRef | None = None
+        self._lease: dict | None = None
+        self.train_parallel_config: dict | None = None
+        self._reward_hook = load_function(getattr(args, "custom_reward_post_process_path", None), args)
+        self._convert_hook = load_function(getattr(args, "custom_convert_samples_to_train_data_path", None), args)
+
+    # ------------------------------------------------------------------------------------------ planning
+
+    def _identity(self, samples: list[Sample]) -> dict:
+        from straw.protocol import digest
+
+        args = self.args
+        identity = {
+            "version": 1,
+            "raw_digest": self.raw_ref.manifest.digest,
+            "sample_indices": [sample.index for sample in samples],
+            "rollout_ids": [sample.rollout_id for sample in samples],
+            "configuration": {name: getattr(args, name, None) for name in PLAN_CONFIGURATION},
+            "parallel": self.train_parallel_config,
+        }
+        return {**identity, "digest": digest(identity)}
+
+    def _input_positions(self, samples: list[Sample]) -> list[int]:
+        from straw.protocol import Lease
+
+        positions = {self.raw_ref.receipt.position}
+        for sample in samples:
+            positions.update(getattr(sample, "_queue_source_positions", None) or ())
+            receipt = getattr(sample, "_queue_receipt", None)
+            lease = getattr(sample, "_queue_lease", None)
+            if receipt:
+                positions.add(int(receipt["position"]))
+            elif lease:
+                result = ray.get(self.controller.result.remote(Lease(**lease)))
+                if result is not None:
+                    positions.add(result.position)
+        return sorted(positions)
+
+    def begin(self, samples: list[Sample], *, replay: bool = False) -> list[Box] | None:
+        """Persist (or reuse) this step's batch plan; returns the per-rank refs when it was already converted."""
+        if self.raw_ref is None:
+            self.batch_id = self._plan = self._lease = None
+            return None
+        args = self.args
+        self.batch_id = f"batch:{self.raw_ref.receipt.commit_id}"
+        identity = self._identity(samples)
+        existing = ray.get(self.controller.batch.remote(self.batch_id))
+        if existing is not None:
+            self._plan = DiskPayloadRef(_record_set(existing["plan_ref"]), args.rollout_data_dir)
+            stored = self._plan.load()
+            if not replay and stored["digest"] != identity["digest"]:
+                raise ValueError(
+                    f"An existing batch ID cannot be reused with a different selection or conversion plan "
+                    f"({self.batch_id}: the samples, batch arguments or parallel layout changed since it was planned)"
+                )
+            self._lease = existing["lease"]
+            if existing["ready"]:
+                return self.split_by_dp(DiskPayloadRef(_record_set(existing["ready_ref"]), args.rollout_data_dir))
+            positions = existing["input_positions"]
+        else:
+            positions = self._input_positions(samples)
+            plan = {
+                **identity,
+                "raw": self.raw_ref,
+                "input_positions": positions,
+                "producer_processing": "training consumes the raw collection and the samples it replaced",
+            }
+            self._plan = pack_rollout_payload(plan, args, self.rollout_id, submission_id=f"plan:{self.batch_id}")
+        batch = ray.get(self.controller.plan_batch.remote(self.batch_id, positions, self._plan.manifest))
+        self._lease = batch["lease"]
+        return None
+
+    # ------------------------------------------------------------------------------------------ conversion
+
+    def _rewards(self, samples: list[Sample]) -> tuple[list, list]:
+        args = self.args
+        if self._reward_hook is not None:
+            return self._reward_hook(args, samples)
+        raw = [sample.get_reward_value(args) for sample in samples]
+        estimator = getattr(args, "advantage_estimator", None)
+        if not (getattr(args, "rewards_normalization", False) and estimator in _GROUP_NORMALIZED):
+            return raw, list(raw)
+        import torch
+
+        group = getattr(args, "n_samples_per_prompt", None) or 1
+        if len(raw) % group:
+            raise ValueError(f"{len(raw)} samples cannot be grouped by --n-samples-per-prompt {group}")
+        rewards = torch.tensor(raw, dtype=torch.float32).view(-1, group)
+        rewards = rewards - rewards.mean(dim=-1, keepdim=True)
+        if estimator in _STD_NORMALIZED and getattr(args, "grpo_std_normalization", False):
+            rewards = rewards / (rewards.std(dim=-1, keepdim=True) + 1e-6)
+        return raw, rewards.flatten().tolist()
+
+    @staticmethod
+    def _check_top_p(sample: Sample) -> None:
+        offsets, ids = sample.rollout_top_p_token_offsets, sample.rollout_top_p_token_ids
+        if offsets is None or ids is None or hasattr(offsets, "load") or hasattr(ids, "load"):
+            return
+        offsets = [int(v) for v in offsets]
+        if (
+            len(offsets) != sample.response_length + 1
+            or offsets[0] != 0
+            or offsets[-1] != len(ids)
+            or any(b < a for a, b in zip(offsets, offsets[1:], strict=False))
+        ):
+            raise ValueError(
+                f"Sample {sample.index}: rollout_top_p_token_offsets must be non-decreasing, start at 0, have "
+                f"response_length + 1 entries and end at len(rollout_top_p_token_ids)"
+            )
+
+    def convert(self, samples: list[Sample]) -> dict:
+        """The standard conversion of Samples into per-sample training columns (a custom hook replaces it)."""
+        if self._convert_hook is not None:
+            return self._convert_hook(self.args, samples)
+        for sample in samples:
+            if sample.rollout_id is None:
+                sample.rollout_id = self.rollout_id
+        raw_rewards, rewards = self._rewards(samples)
+        loss_masks = []
+        for sample in samples:
+            mask = sample.loss_mask if sample.loss_mask is not None else [1] * sample.response_length
+            if len(mask) != sample.response_length:
+                raise ValueError(
+                    f"Sample {sample.index}: loss_mask has {len(mask)} entries for response_length "
+                    f"{sample.response_length}"
+                )
+            loss_masks.append(list(mask))
+        data: dict[str, Any] = {
+            "tokens": [sample.tokens for sample in samples],
+            "response_lengths": [sample.response_length for sample in samples],
+            "rewards": rewards,
+            "raw_reward": raw_rewards,
+            "truncated": [int(sample.status == Sample.Status.TRUNCATED) for sample in samples],
+            "sample_indices": [sample.index for sample in samples],
+            "rollout_ids": [sample.rollout_id for sample in samples],
+            "loss_masks": loss_masks,
+            "rollout_mask_sums": [float(sum(mask)) for mask in loss_masks],
+        }
+        if any("round_number" in (sample.metadata or {}) for sample in samples):
+            data["round_number"] = [(sample.metadata or {}).get("round_number") for sample in samples]
+        if any("source_name" in (sample.metadata or {}) for sample in samples):
+            data["source_names"] = [(sample.metadata or {}).get("source_name") for sample in samples]
+        for name in _OPTIONAL_SAMPLE_FIELDS:
+            if any(getattr(sample, name) is not None for sample in samples):
+                data[name] = [getattr(sample, name) for sample in samples]
+        if any(sample.rollout_top_p_token_ids is not None for sample in samples):
+            for sample in samples:
+                self._check_top_p(sample)
+            for name in ("rollout_top_p_token_ids", "rollout_top_p_token_offsets", "rollout_top_p_log_probs"):
+                data[name] = [getattr(sample, name) for sample in samples]
+        if any(sample.rollout_routed_experts is not None for sample in samples):
+            data["rollout_routed_experts"] = [
+                value if hasattr(value, "load") or value is None else sample.materialize_rollout_routed_experts()
+                for sample in samples
+                for value in [sample.rollout_routed_experts]
+            ]
+        if any(sample.train_metadata is not None for sample in samples):
+            data["train_metadata"] = [sample.train_metadata for sample in samples]
+        return data
+
+    # ------------------------------------------------------------------------------------------ publication
+
+    def publish_converted(self, data: dict) -> DiskPayloadRef:
+        """Publish the conversion; for a planned batch, accept it as the batch task's result."""
+        from slime.observability.rollout_data_utils import tensorize_rollout_data_for_training
+
+        data = copy.copy(data)
+        data["total_lengths"] = [len(tokens) for tokens in data["tokens"]]
+        tensorize_rollout_data_for_training(data)
+        if self._plan is not None:
+            data["_plan"] = self._plan
+        metadata = None
+        if self.batch_id is not None:
+            metadata = {"task_id": self.batch_id, "attempt_id": self._lease["attempt_id"]}
+        reference = pack_rollout_payload(data, self.args, self.rollout_id, metadata=metadata)
+        if self.batch_id is not None:
+            ray.get(self.controller.ready_batch.remote(self.batch_id, reference.manifest))
+        return reference
+
+    def replay_converted(self, data: Any, batch_id: str | None) -> list[Box]:
+        self.batch_id = batch_id
+        return self.split_by_dp(data)
+
+    def split_by_dp(self, data: Any) -> list[Box]:
+        """One `Box` per data-parallel rank: a `TrainBatchRef` (durable) or the rank's dict (in memory)."""
+        args = self.args
+        straw = use_straw(args)
+        reference = None
+        if straw:
+            reference = data if isinstance(data, DiskPayloadRef) else self.publish_converted(data)
+            data = reference.load(selection={"total_lengths": None, "rollout_ids": None})
+        total_lengths = data.get("total_lengths")
+        if total_lengths is None:
+            total_lengths = [len(tokens) for tokens in data["tokens"]]
+        partitions, micro_batch_indices, num_microbatches, global_batch_sizes = build_dp_schedule(
+            args,
+            self.train_parallel_config,
+            total_lengths,
+            global_batch_size=args.global_batch_size,
+            rollout_indices=data["rollout_ids"],
+        )
+        if straw:
+            return self._durable_shares(
+                reference, partitions, micro_batch_indices, num_microbatches, global_batch_sizes
+            )
+        from slime.observability.rollout_data_utils import tensorize_rollout_data_for_training
+        from slime.plugin_manager import registry_for
+
+        name = getattr(args, "rollout_data_transport", "object-store") or "object-store"
+        spec = registry_for(args).get("transports", name)
+        if spec.put_shard is None:
+            raise ValueError(f"Unsupported rollout data transport: {name!r} (its spec has no in-memory put_shard)")
+        boxes = []
+        for rank, partition in enumerate(partitions):
+            shard = {key: _take(data[key], partition) for key in PARTITIONED_FIELDS if data.get(key) is not None}
+            shard.update({key: data[key] for key in GLOBAL_FIELDS if data.get(key) is not None})
+            shard["total_lengths"] = list(total_lengths)
+            shard.update(
+                partition=partition,
+                global_batch_sizes=global_batch_sizes,
+                num_microbatches=num_microbatches,
+                micro_batch_indices=micro_batch_indices[rank],
+            )
+            boxes.append(Box(spec.put_shard(tensorize_rollout_data_for_training(shard))))
+        return boxes
+
+    def _durable_shares(
+        self,
+        reference: DiskPayloadRef,
+        partitions: list,
+        micro_batch_indices: list,
+        num_microbatches: list,
+        global_batch_sizes: list,
+    ) -> list[Box]:
+        from straw.protocol import digest
+
+        plan_digest = digest(
+            {
+                "conversion": reference.manifest.digest,
+                "partitions": partitions,
+                "micro_batch_indices": micro_batch_indices,
+                "global_batch_sizes": global_batch_sizes,
+            }
+        )
+        boxes = []
+        for rank, partition in enumerate(partitions):
+            schedule = {
+                "partition": partition,
+                "global_batch_sizes": global_batch_sizes,
+                "num_microbatches": num_microbatches,
+                "micro_batch_indices": micro_batch_indices[rank],
+            }
+            selection = {field: partition for field in PARTITIONED_FIELDS}
+            selection.update({field: None for field in GLOBAL_FIELDS})
+            ref = TrainBatchRef(
+                reference.manifest,
+                reference.root,
+                self.batch_id,
+                rank,
+                plan_digest,
+                selection=selection,
+                schedule=schedule,
+            )
+            boxes.append(Box(ray.put(ref)))
+        return boxes
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    def training_completed(self, rollout_id: int) -> None:
+        """Training finished this step's batch: its conversion becomes processed in the queue."""
+        if self.batch_id is None:
+            return
+        if rollout_id != self.rollout_id:
+            raise ValueError(
+                f"Training completion does not match the current batch (completed {rollout_id}, "
+                f"current {self.rollout_id})"
+            )
+        ray.get(self.controller.finish_batch.remote(self.batch_id))
+
+    def _state_path(self, rollout_id: int) -> Path:
+        return Path(self.args.save) / "rollout" / f"builder_state_{rollout_id}.json"
+
+    def save(self, rollout_id: int) -> None:
+        """Write `builder_state_<id>.json`: the training consumer's state, retained for this checkpoint."""
+        if not use_straw(self.args):
+            return
+        from straw.protocol import digest
+
+        import slime.data.queue_data_source as facade
+
+        state = ray.get(self.controller.training_state.remote())
+        if state is None:
+            return
+        path = self._state_path(rollout_id).resolve()
+        refs = [_record_set(state[key]) for key in ("state_ref", "progress_ref") if state.get(key)]
+        owner = f"checkpoint:{path}:{digest([ref.digest for ref in refs])}"
+        store, _, lock = rollout_store(self.args)
+        with lock:
+            store.retain(owner, refs)
+        facade.write_report(
+            path,
+            {
+                "version": 1,
+                "run_id": getattr(self.args, "rollout_queue_run_id", None) or "rollout",
+                "rollout_id": rollout_id,
+                "consumer": state,
+                "storage_owner": owner,
+            },
+        )
+
+    def load(self, rollout_id: int | None, *, source_restore: Any = None) -> None:
+        """Rewind the training consumer to the checkpointed state (no-op for forks and fresh runs)."""
+        args = self.args
+        if not use_straw(args) or not getattr(args, "load", None) or rollout_id is None:
+            return
+        if source_restore is not None and source_restore.new_queue:
+            self.raw_ref = self.batch_id = self._plan = self._lease = None
+            return
+        import json
+
+        path = Path(args.load) / "rollout" / f"builder_state_{rollout_id}.json"
+        if not path.exists():
+            return
+        saved = json.loads(path.read_text())
+        run_id = getattr(args, "rollout_queue_run_id", None) or "rollout"
+        if saved.get("version") != 1 or saved.get("run_id") != run_id:
+            raise ValueError(f"BatchBuilder checkpoint run/schema differs: {path} (expected version 1, run {run_id})")
+        consumer = saved["consumer"]
+        retained = getattr(source_restore, "source_ref", None) if source_restore is not None else None
+        ray.get(
+            self.controller.restore_training_state.remote(
+                _record_set(consumer["state_ref"]), consumer["fetch_cursor"], consumer["processed_cursor"], retained
+            )
+        )
