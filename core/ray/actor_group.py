@@ -1,0 +1,240 @@
+"""`RayTrainGroup`: the data-parallel ranks of one training role (actor or critic) as Ray actors.
+
+The group is the driver's handle on a role: it creates the ranks (`create`), fans calls out to all of them
+(`async_train`, `save_model`, `update_weights`) and waits for them. Ranks are instances of the training
+backend's actor class (registry kind "train_backends", `--train-backend`, default "torch"), wrapped with
+`ray.remote` here, one per placement-group bundle.
+
+Disk weight updates (`--update-weight-mode full --update-weight-transport disk`) are counted by the group,
+not by the ranks: version `v` is exported by the ranks to `<update_weight_disk_dir>/weight_v{v:06d}` and then
+the rollout engines reload that directory, so the version never depends on what the ranks return.
+
+With `--release-train` the ranks are killed after every weight export and re-created (`create`) for the
+next step from the checkpoint the last `save_model` wrote.
+
+Constructing a group touches neither Ray nor GPUs; `create` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+import socket
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+#: Seconds to wait after killing ranks so that their processes release devices and ports.
+RELEASE_GRACE_S = 1.0
+
+
+class Placement(NamedTuple):
+    """Where a role's ranks run: a Ray placement group, one bundle index per rank, devices per bundle."""
+
+    placement_group: Any
+    bundle_indices: Sequence[int]
+    num_gpus_per_bundle: float = 0.0
+    num_cpus_per_bundle: float = 1.0
+
+
+class RayTrainGroup:
+    """The ranks of one training role; see the module docstring."""
+
+    def __init__(
+        self,
+        args: Any,
+        num_nodes: int,
+        num_gpus_per_node: int,
+        pg: Placement | None,
+        num_gpus_per_actor: float = 1,
+        role: str = "actor",
+        with_ref: bool = False,
+        with_opd_teacher: bool = False,
+        actor_cls: Any = None,
+    ) -> None:
+        self.args = args
+        self.role = role
+        self.with_ref = with_ref
+        self.with_opd_teacher = with_opd_teacher
+        self._num_nodes = int(num_nodes)
+        self._num_gpus_per_node = int(num_gpus_per_node)
+        self._pg = pg
+        self._num_gpus_per_actor = num_gpus_per_actor
+        self._actor_cls = actor_cls
+        self._rollout_manager: Any = None
+        self._disk_weight_version = int(getattr(args, "update_weight_start_version", 0) or 0)
+        self._actor_handlers: list[Any] = []
+
+    @property
+    def world_size(self) -> int:
+        return self._num_nodes * self._num_gpus_per_node
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def create(self, rollout_manager: Any = None) -> list[int] | None:
+        """Start the ranks and initialize them; returns each rank's first rollout id (None if already running)."""
+        if rollout_manager is not None:
+            self._rollout_manager = rollout_manager
+        if self._actor_handlers:
+            return None
+        from slime.ray.training_recovery import configure_recovery_checkpoint, training_recovery_enabled
+
+        if training_recovery_enabled(self.args):
+            configure_recovery_checkpoint(self.args)
+        self.args.update_weight_start_version = self._disk_weight_version
+        self._allocate_gpus_for_actor(self._pg, self._num_gpus_per_actor)
+        return ray.get(
+            [
+                actor.init.remote(self.args, self.role, with_ref=self.with_ref, with_opd_teacher=self.with_opd_teacher)
+                for actor in self._actor_handlers
+            ]
+        )
+
+    def release(self) -> None:
+        """Kill the ranks (`--release-train`); the next `create` starts fresh ones."""
+        handlers, self._actor_handlers = self._actor_handlers, []
+        for actor in handlers:
+            ray.kill(actor, no_restart=True)
+        if handlers:
+            time.sleep(RELEASE_GRACE_S)
+
+    def _backend_class(self) -> Any:
+        if self._actor_cls is not None:
+            return self._actor_cls
+        from slime.plugin_manager import registry_for
+
+        name = getattr(self.args, "train_backend", "torch") or "torch"
+        return registry_for(self.args).get("train_backends", name).target
+
+    def _allocate_gpus_for_actor(self, pg: Placement | None, num_gpus_per_actor: float) -> None:
+        """Create one rank per bundle of `pg`, with the distributed environment each rank needs."""
+        if pg is None:
+            raise ValueError(f"RayTrainGroup({self.role!r}) needs a placement (create_placement_groups) to start ranks")
+        world_size = self.world_size
+        if len(pg.bundle_indices) < world_size:
+            raise ValueError(
+                f"{self.role} needs {world_size} bundles ({self._num_nodes} nodes x {self._num_gpus_per_node}), "
+                f"its placement has {len(pg.bundle_indices)}"
+            )
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        cls = self._backend_class()
+        remote_cls = cls if isinstance(cls, ray.actor.ActorClass) else ray.remote(cls)
+        master_addr, master_port = _master_address(pg.placement_group, pg.bundle_indices[0])
+        for rank in range(world_size):
+            env = {
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                # Ray exposes only the actor's own GPU, so on GPU each rank's local device is 0.
+                "LOCAL_RANK": "0" if num_gpus_per_actor else str(rank % self._num_gpus_per_node),
+            }
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=pg.placement_group, placement_group_bundle_index=pg.bundle_indices[rank]
+            )
+            handle = remote_cls.options(
+                num_cpus=pg.num_cpus_per_bundle,
+                num_gpus=num_gpus_per_actor,
+                runtime_env={"env_vars": env},
+                scheduling_strategy=strategy,
+            ).remote()
+            self._actor_handlers.append(handle)
+        self._register_with_rollout_manager()
+
+    def _register_with_rollout_manager(self) -> None:
+        """Tell the rollout manager about the new ranks and adopt the configuration it returns.
+
+        A manager that predates this call (no `register_training_actors`) is left alone. The returned
+        weight version only moves forward: engines may already serve a newer one than this group counted.
+        """
+        manager = self._rollout_manager
+        if manager is None or not hasattr(manager, "register_training_actors"):
+            return
+        config = ray.get(manager.register_training_actors.remote(self.role, self._actor_handlers))
+        if not config:
+            return
+        for key, value in dict(config).items():
+            if key == "update_weight_start_version":
+                value = max(int(value or 0), self._disk_weight_version)
+                self._disk_weight_version = value
+            setattr(self.args, key, value)
+
+    # ----------------------------------------------------------------- training
+
+    def async_train(self, rollout_id: int, rollout_data_ref: Any, external_data: Any = None) -> list[Any]:
+        """Start one training step on every rank; returns the ranks' object refs (for `ray.get`)."""
+        kwargs = {} if external_data is None else {"external_data": external_data}
+        return [actor.train.remote(rollout_id, rollout_data_ref, **kwargs) for actor in self._actor_handlers]
+
+    def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
+        """Save every rank's part of step `rollout_id`; returns once all of them have."""
+        ray.get([actor.save_model.remote(rollout_id, force_sync=force_sync) for actor in self._actor_handlers])
+        if getattr(self.args, "release_train", False):
+            # The next `create` must resume from exactly what was just saved.
+            self.args.load = self.args.save
+            self.args.ckpt_step = None
+            self.args.finetune = False
+            self.args.no_load_optim = getattr(self.args, "no_save_optim", False)
+            self.args.no_load_rng = False
+
+    def offload(self) -> None:
+        """Free the ranks' device memory between steps (`--offload-train`; the backend's `offload`, which must
+        bring the state back by itself on the next `update_weights` or `train`)."""
+        ray.get([actor.offload.remote() for actor in self._actor_handlers])
+
+    # ------------------------------------------------------------ weight update
+
+    def _uses_disk_weights(self) -> bool:
+        return (
+            self.role == "actor"
+            and getattr(self.args, "update_weight_mode", "full") == "full"
+            and getattr(self.args, "update_weight_transport", None) == "disk"
+        )
+
+    def update_weights(self) -> None:
+        """Push the current weights to the rollout engines."""
+        if not self._uses_disk_weights():
+            ray.get([actor.update_weights.remote() for actor in self._actor_handlers])
+            return
+        disk_dir = getattr(self.args, "update_weight_disk_dir", None)
+        if not disk_dir:
+            raise ValueError(
+                "--update-weight-transport disk needs --update-weight-disk-dir (a directory trainers and engines share)"
+            )
+        version = self._disk_weight_version + 1
+        directory = Path(disk_dir) / f"weight_v{version:06d}"
+        ray.get([actor.update_weights.remote() for actor in self._actor_handlers])
+        self._disk_weight_version = version
+        if getattr(self.args, "release_train", False):
+            self.release()
+        self._reload_rollout_weights_from_disk(directory, str(version))
+
+    def _reload_rollout_weights_from_disk(self, directory: Path, version: str) -> None:
+        """Have the rollout engines load `directory` as weight `version`, then drop the export."""
+        if self._rollout_manager is None:
+            raise RuntimeError(
+                "disk weight updates need the rollout manager: create the group with create(rollout_manager)"
+            )
+        ray.get(self._rollout_manager.update_weights_from_disk.remote(str(directory), version))
+        if not getattr(self.args, "update_weight_disk_keep_files", False):
+            shutil.rmtree(directory)
+
+
+def _master_address(placement_group: Any, bundle_index: int) -> tuple[str, int]:
+    """Address and port for the ranks' process group: the node that hosts the first bundle."""
+    node_id = ray.util.placement_group_table(placement_group)["bundles_to_node_id"][bundle_index]
+    driver_node = ray.get_runtime_context().get_node_id()
+    address = next(node["NodeManagerAddress"] for node in ray.nodes() if node["NodeID"] == node_id)
+    if node_id == driver_node:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return address, sock.getsockname()[1]
+    # Another node: no way to probe its ports from here; pick one from a range ephemeral ports avoid.
+    return address, random.randint(20000, 30000)

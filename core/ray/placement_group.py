@@ -1,0 +1,144 @@
+"""Placing a run on the Ray cluster: placement groups, the rollout manager and the training groups.
+
+`create_placement_groups(args)` reserves one bundle per training rank (actor, then critic) and, on GPU
+clusters where rollout is not colocated, one per rollout GPU. A bundle is one GPU plus one CPU when the
+cluster has GPUs, and `--train-num-cpus-per-rank` CPUs (default 1) when it has none, so the same command
+runs on a laptop. The result maps role -> `Placement`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+from slime.ray.actor_group import Placement, RayTrainGroup
+
+logger = logging.getLogger(__name__)
+
+#: Seconds to wait for the cluster to grant a placement group before reporting what is missing.
+PLACEMENT_TIMEOUT_S = 300.0
+
+
+def _num_ranks(args: Any, role: str) -> int:
+    return int(getattr(args, f"{role}_num_nodes", 1) or 1) * int(getattr(args, f"{role}_num_gpus_per_node", 1) or 1)
+
+
+def create_placement_groups(args: Any) -> dict[str, Placement]:
+    """Reserve the bundles of a run; returns `{"actor": ..., "critic": ..., "rollout": ...}` placements."""
+    from ray.util.placement_group import placement_group
+
+    resources = ray.cluster_resources()
+    use_gpu = resources.get("GPU", 0) > 0
+    actor_ranks = _num_ranks(args, "actor")
+    critic_ranks = _num_ranks(args, "critic") if getattr(args, "use_critic", False) else 0
+    train_ranks = actor_ranks + critic_ranks
+    if use_gpu:
+        colocate = bool(getattr(args, "colocate", False))
+        rollout_gpus = (
+            0
+            if colocate or getattr(args, "debug_train_only", False)
+            else int(getattr(args, "rollout_num_gpus", 0) or 0)
+        )
+        bundle = {"GPU": 1, "CPU": 1}
+        bundles = [dict(bundle) for _ in range(train_ranks + rollout_gpus)]
+        gpus, cpus = 1.0, 1.0
+    else:
+        cpus = float(getattr(args, "train_num_cpus_per_rank", 1) or 1)
+        available = resources.get("CPU", 0)
+        if train_ranks * cpus > available:
+            raise ValueError(
+                f"{train_ranks} training ranks x {cpus:g} CPUs exceed the cluster's {available:g} CPUs; lower "
+                "--actor-num-gpus-per-node (ranks per node on CPU) or --train-num-cpus-per-rank"
+            )
+        bundles = [{"CPU": cpus} for _ in range(train_ranks)]
+        rollout_gpus, gpus = 0, 0.0
+    pg = placement_group(bundles, strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(
+            f"Ray could not reserve {len(bundles)} bundles of {bundles[0]} within {PLACEMENT_TIMEOUT_S:g}s "
+            f"(cluster: {resources}); reduce the number of ranks or add nodes"
+        )
+    actor = list(range(actor_ranks))
+    critic = list(range(actor_ranks, train_ranks))
+    rollout = list(range(train_ranks, train_ranks + rollout_gpus)) if rollout_gpus else actor
+    logger.info(
+        "placement: %d actor, %d critic, %d rollout bundles (GPU: %s)", len(actor), len(critic), rollout_gpus, use_gpu
+    )
+    return {
+        "actor": Placement(pg, actor, gpus, cpus),
+        "critic": Placement(pg, critic, gpus, cpus),
+        "rollout": Placement(pg, rollout, gpus, cpus),
+    }
+
+
+def create_rollout_manager(args: Any, pg: Placement | None, restore_plan: Any = None) -> tuple[Any, int | None]:
+    """Start the `RolloutManager` actor; returns it and the number of rollouts per epoch (None if unknown).
+
+    With `--num-epoch` instead of `--num-rollout`, the manager's data source says how many rollout steps
+    one epoch is, and `args.num_rollout` is set from it.
+    """
+    from slime.ray.rollout import RolloutManager
+
+    manager = RolloutManager.options(num_cpus=0, num_gpus=0).remote(args, pg, restore_plan=restore_plan)
+    num_rollout_per_epoch = None
+    if getattr(args, "num_rollout", None) is None:
+        num_epoch = getattr(args, "num_epoch", None)
+        if num_epoch is None:
+            raise ValueError("set --num-rollout (rollout steps) or --num-epoch (passes over --prompt-data)")
+        num_rollout_per_epoch = int(ray.get(manager.get_num_rollout_per_epoch.remote()))
+        args.num_rollout = num_rollout_per_epoch * int(num_epoch)
+        logger.info(
+            "%d epochs x %d rollouts per epoch = %d rollouts", num_epoch, num_rollout_per_epoch, args.num_rollout
+        )
+    return manager, num_rollout_per_epoch
+
+
+def create_training_models(
+    args: Any, pgs: dict[str, Placement], rollout_manager: Any
+) -> tuple[RayTrainGroup, RayTrainGroup | None]:
+    """Create and initialize the actor (and, with `--use-critic`, critic) groups; sets `args.start_rollout_id`.
+
+    Every rank reports the first rollout id it will train (the step after the checkpoint it loaded); they
+    must agree. When resuming (start > 0) the rollout manager restores its data source and batch builder
+    to the state saved with step `start - 1`.
+    """
+    with_ref = bool(getattr(args, "kl_coef", 0.0) or getattr(args, "use_kl_loss", False))
+    actor = RayTrainGroup(
+        args,
+        int(getattr(args, "actor_num_nodes", 1) or 1),
+        int(getattr(args, "actor_num_gpus_per_node", 1) or 1),
+        pg=pgs["actor"],
+        num_gpus_per_actor=pgs["actor"].num_gpus_per_bundle,
+        role="actor",
+        with_ref=with_ref,
+    )
+    critic = None
+    if getattr(args, "use_critic", False):
+        critic = RayTrainGroup(
+            args,
+            int(getattr(args, "critic_num_nodes", 1) or 1),
+            int(getattr(args, "critic_num_gpus_per_node", 1) or 1),
+            pg=pgs["critic"],
+            num_gpus_per_actor=pgs["critic"].num_gpus_per_bundle,
+            role="critic",
+        )
+    ray.get(rollout_manager.set_train_parallel_config.remote({"dp_size": actor.world_size}))
+    start_ids = list(actor.create(rollout_manager) or [])
+    if critic is not None:
+        start_ids += list(critic.create(rollout_manager) or [])
+    if len(set(start_ids)) != 1:
+        raise RuntimeError(f"training ranks resume from different rollout ids {sorted(set(start_ids))}; check --load")
+    if getattr(args, "start_rollout_id", None) is None:
+        args.start_rollout_id = start_ids[0]
+    elif args.start_rollout_id != start_ids[0]:
+        raise ValueError(
+            f"--start-rollout-id {args.start_rollout_id} differs from the checkpoint the trainers loaded "
+            f"(next step {start_ids[0]}); drop --start-rollout-id or pick a matching --ckpt-step"
+        )
+    if args.start_rollout_id > 0:
+        ray.get(rollout_manager.load.remote(args.start_rollout_id - 1))
+    return actor, critic

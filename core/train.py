@@ -1,0 +1,161 @@
+"""The training driver: `python train.py [options]` or `slime-run [options]`.
+
+One rollout step: the rollout manager generates and accepts a batch, the trainers train on it, the manager
+records the runtime completion, the step is checkpointed (when due), and only then do the engines receive
+the new weights. That order makes a committed checkpoint's `weight_version` the version of the weights that
+generated the step's data.
+
+The acceptance tests load this file by path and patch its module globals (`ray`, `create_training_models`),
+so the driver looks those names up here at call time.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":
+    # `python train.py` puts this file's real directory (core/, the `slime` package) first on sys.path, where
+    # core/ray would shadow the `ray` library; the framework is imported as `slime` instead.
+    _here = os.path.dirname(os.path.realpath(__file__))
+    sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != _here]
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from slime.data.checkpoint import save_checkpoint
+from slime.observability.logging_utils import configure_logger, finish_tracking, init_tracking
+from slime.ray.placement_group import create_placement_groups, create_rollout_manager, create_training_models
+from slime.utils.arguments import parse_args
+from slime.utils.misc import should_run_periodic_action
+
+logger = logging.getLogger(__name__)
+
+
+class _Observers:
+    """Lifecycle hooks of the run's plugins (`slime_after_rollout`, ...); none without a plugin selection."""
+
+    def __init__(self, args: Any) -> None:
+        selection = getattr(args, "plugin_selection", None)
+        if selection is None:
+            self._hook = None
+            return
+        from slime.plugin_manager import build_plugin_manager
+
+        self._hook = build_plugin_manager(selection).hook
+
+    def call(self, name: str, **kwargs: Any) -> None:
+        if self._hook is not None:
+            getattr(self._hook, name)(**kwargs)
+
+
+def _train_metrics(results: Any) -> dict[str, Any]:
+    """Rank 0's metrics dict from the ranks' `train` results (backends may return nothing)."""
+    if isinstance(results, list) and results and isinstance(results[0], dict):
+        return dict(results[0])
+    return {}
+
+
+def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int | None, restore_plan: Any) -> None:
+    """Run rollout steps `args.start_rollout_id .. args.num_rollout - 1`, then dispose the rollout manager."""
+    observers = _Observers(args)
+    actor_model, critic_model = create_training_models(args, pgs, rollout_manager)
+    offload_rollout = getattr(args, "offload_rollout", False)
+    offload_train = getattr(args, "offload_train", False)
+    release_train = getattr(args, "release_train", False)
+    use_critic = getattr(args, "use_critic", False)
+    eval_interval = getattr(args, "eval_interval", None)
+
+    if offload_rollout:
+        ray.get(rollout_manager.onload_weights.remote())
+    actor_model.update_weights()
+    ray.get(rollout_manager.training_ready.remote())
+    if offload_rollout:
+        ray.get(rollout_manager.onload_kv.remote())
+
+    for rollout_id in range(args.start_rollout_id, args.num_rollout):
+        if eval_interval is not None and rollout_id == 0 and not getattr(args, "skip_eval_before_train", False):
+            ray.get(rollout_manager.eval.remote(rollout_id))
+
+        rollout_data_ref = ray.get(rollout_manager.generate.remote(rollout_id))
+        observers.call("slime_after_rollout", args=args, rollout_id=rollout_id, metrics={})
+        if offload_rollout:
+            ray.get(rollout_manager.offload.remote())
+        if release_train:
+            actor_model.create(rollout_manager)
+            if critic_model is not None:
+                critic_model.create(rollout_manager)
+
+        actor_trains = not use_critic or rollout_id >= getattr(args, "num_critic_only_steps", 0)
+        value_refs = critic_model.async_train(rollout_id, rollout_data_ref) if use_critic else None
+        results = None
+        if actor_trains:
+            results = ray.get(actor_model.async_train(rollout_id, rollout_data_ref, external_data=value_refs))
+        if value_refs is not None:
+            critic_results = ray.get(value_refs)
+            results = results if actor_trains else critic_results
+        ray.get(rollout_manager.training_completed.remote(rollout_id))
+        observers.call("slime_after_train_step", args=args, rollout_id=rollout_id, metrics=_train_metrics(results))
+
+        if release_train or should_run_periodic_action(
+            rollout_id, getattr(args, "save_interval", None), num_rollout_per_epoch, args.num_rollout
+        ):
+            save_checkpoint(
+                args,
+                rollout_id,
+                actor_model,
+                critic_model,
+                rollout_manager,
+                actor_trains=actor_trains,
+                restore_plan=restore_plan,
+            )
+            observers.call("slime_checkpoint_committed", args=args, rollout_id=rollout_id, path=str(args.save))
+
+        if offload_train:
+            # Backends that offload bring their state back themselves when next asked to export or train.
+            actor_model.offload()
+            if critic_model is not None:
+                critic_model.offload()
+        if offload_rollout:
+            ray.get(rollout_manager.onload_weights.remote())
+        was_paused = ray.get(rollout_manager.pause_rollout_admission.remote())
+        actor_model.update_weights()
+        if was_paused and rollout_id + 1 < args.num_rollout:
+            ray.get(rollout_manager.resume_rollout_admission.remote())
+        if offload_rollout:
+            ray.get(rollout_manager.onload_kv.remote())
+
+        if should_run_periodic_action(rollout_id, eval_interval, num_rollout_per_epoch):
+            ray.get(rollout_manager.eval.remote(rollout_id))
+
+    ray.get(rollout_manager.dispose.remote())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the command line, start the run on Ray, train, and tear the run down."""
+    args, restore_plan = parse_args(argv, return_restore_plan=True)
+    configure_logger()
+    if not ray.is_initialized():
+        ray.init()
+    init_tracking(args)
+    rollout_manager = None
+    try:
+        pgs = create_placement_groups(args)
+        rollout_manager, num_rollout_per_epoch = create_rollout_manager(args, pgs["rollout"], restore_plan=restore_plan)
+        train(args, pgs, rollout_manager, num_rollout_per_epoch, restore_plan)
+    except BaseException:
+        logger.exception("training failed; stopping the rollout manager")
+        if rollout_manager is not None:
+            ray.kill(rollout_manager, no_restart=True)
+        raise
+    finally:
+        finish_tracking(args)
+    ray.kill(rollout_manager, no_restart=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,255 @@
+"""RayTrainGroup: weight-version arithmetic, disk reloads, release mode, rank creation on a CPU Ray cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from slime.ray import actor_group
+from slime.ray.actor_group import Placement, RayTrainGroup
+
+
+class Remote:
+    """A stand-in for one Ray actor method: `.remote(...)` records the call and returns `result(...)`."""
+
+    def __init__(self, log: list, name: str, result=None) -> None:
+        self.log, self.name, self.result = log, name, result
+
+    def remote(self, *args, **kwargs):
+        self.log.append((self.name, args, kwargs))
+        return self.result(*args, **kwargs) if callable(self.result) else self.result
+
+
+class FakeRank:
+    """One training rank whose `update_weights` writes the export directory as a real backend does."""
+
+    def __init__(self, log: list, args, rank: int = 0) -> None:
+        self.args, self.rank = args, rank
+        self.version = int(getattr(args, "update_weight_start_version", 0) or 0)
+        self.update_weights = Remote(log, "rank.update_weights", self._export)
+        self.save_model = Remote(log, "rank.save_model")
+        self.init = Remote(log, "rank.init", 5)
+        self.train = Remote(log, "rank.train", {"loss": 1.0})
+
+    def _export(self):
+        self.version += 1
+        if self.rank == 0 and getattr(self.args, "update_weight_transport", None) == "disk":
+            target = Path(self.args.update_weight_disk_dir) / f"weight_v{self.version:06d}"
+            target.mkdir(parents=True)
+            (target / "model.safetensors").write_bytes(b"w")
+
+
+class FakeManager:
+    def __init__(self, log: list) -> None:
+        self.update_weights_from_disk = Remote(log, "manager.update_weights_from_disk", self._check)
+        self.seen_dirs: list[bool] = []
+
+    def _check(self, path, version):
+        self.seen_dirs.append(Path(path).is_dir())
+
+
+def _args(tmp_path, **overrides):
+    values = dict(
+        update_weight_start_version=3,
+        update_weight_mode="full",
+        update_weight_transport="disk",
+        update_weight_disk_dir=str(tmp_path / "weights"),
+        release_train=False,
+        save=str(tmp_path / "ckpt"),
+        no_save_optim=True,
+    )
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    monkeypatch.setattr(actor_group.ray, "get", lambda value: value)
+    monkeypatch.setattr(actor_group.ray, "kill", lambda actor, no_restart=True: None)
+    monkeypatch.setattr(actor_group, "RELEASE_GRACE_S", 0.0)
+
+
+def _group(args, log, ranks=1):
+    group = RayTrainGroup(args, 1, ranks, pg=None)
+    group._actor_handlers = [FakeRank(log, args, rank) for rank in range(ranks)]
+    group._rollout_manager = FakeManager(log)
+    return group
+
+
+def test_constructing_a_group_touches_no_ray(tmp_path):
+    import ray
+
+    was_initialized = ray.is_initialized()
+    group = RayTrainGroup(_args(tmp_path), 2, 4, pg=None, role="critic")
+    assert group.world_size == 8 and group._actor_handlers == []
+    assert ray.is_initialized() == was_initialized
+
+
+def test_disk_versions_count_from_start_and_exports_are_removed_after_reload(tmp_path, no_ray):
+    log: list = []
+    group = _group(_args(tmp_path), log, ranks=2)
+    for expected in (4, 5, 6):
+        assert group.update_weights() is None
+        assert group._disk_weight_version == expected
+    reloads = [call[1] for call in log if call[0] == "manager.update_weights_from_disk"]
+    assert reloads == [(str(tmp_path / "weights" / f"weight_v{v:06d}"), str(v)) for v in (4, 5, 6)]
+    assert group._rollout_manager.seen_dirs == [True, True, True]  # Still there while engines load it.
+    assert not any((tmp_path / "weights").iterdir())
+    assert sum(call[0] == "rank.update_weights" for call in log) == 6
+
+
+def test_keep_files_retains_exports(tmp_path, no_ray):
+    log: list = []
+    group = _group(_args(tmp_path, update_weight_disk_keep_files=True), log)
+    group.update_weights()
+    assert (tmp_path / "weights" / "weight_v000004" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"update_weight_transport": "nccl"}, {"update_weight_mode": "delta"}], ids=["nccl", "non-full"]
+)
+def test_non_disk_updates_only_call_the_ranks(tmp_path, no_ray, overrides):
+    log: list = []
+    group = _group(_args(tmp_path, **overrides), log)
+    group.update_weights()
+    assert [call[0] for call in log] == ["rank.update_weights"]
+    assert group._disk_weight_version == 3
+
+
+def test_critic_never_exports_weights_to_engines(tmp_path, no_ray):
+    log: list = []
+    group = _group(_args(tmp_path), log)
+    group.role = "critic"
+    group.update_weights()
+    assert [call[0] for call in log] == ["rank.update_weights"]
+
+
+def test_disk_update_errors_name_the_fix(tmp_path, no_ray):
+    log: list = []
+    group = _group(_args(tmp_path, update_weight_disk_dir=None), log)
+    with pytest.raises(ValueError, match="--update-weight-disk-dir"):
+        group.update_weights()
+    assert log == [] and group._disk_weight_version == 3
+    group = _group(_args(tmp_path), log)
+    group._rollout_manager = None
+    with pytest.raises(RuntimeError, match="rollout manager"):
+        group.update_weights()
+
+
+def test_failed_export_does_not_advance_the_version(tmp_path, no_ray):
+    log: list = []
+    group = _group(_args(tmp_path), log)
+
+    def fail():
+        raise OSError("disk full")
+
+    group._actor_handlers[0].update_weights.result = fail
+    with pytest.raises(OSError, match="disk full"):
+        group.update_weights()
+    assert group._disk_weight_version == 3
+    assert not any(call[0] == "manager.update_weights_from_disk" for call in log)
+
+
+def test_release_kills_ranks_before_reload_and_save_points_next_create_at_it(tmp_path, no_ray, monkeypatch):
+    log: list = []
+    args = _args(tmp_path, release_train=True, ckpt_step=2, finetune=True, no_load_rng=True)
+    group = _group(args, log)
+    rank = group._actor_handlers[0]
+    monkeypatch.setattr(actor_group.ray, "kill", lambda actor, no_restart=True: log.append(("kill", (actor,), {})))
+    group.save_model(9, force_sync=True)
+    assert ("rank.save_model", (9,), {"force_sync": True}) in log
+    assert (args.load, args.ckpt_step, args.finetune, args.no_load_optim, args.no_load_rng) == (
+        args.save,
+        None,
+        False,
+        True,
+        False,
+    )
+    group.update_weights()
+    names = [call[0] for call in log]
+    assert names.index("kill") < names.index("manager.update_weights_from_disk")
+    assert group._actor_handlers == []
+
+    monkeypatch.setattr(group, "_allocate_gpus_for_actor", lambda *a: group._actor_handlers.append(rank))
+    assert group.create() == [5]
+    init = next(call for call in log if call[0] == "rank.init")
+    assert init[1] == (args, "actor") and args.update_weight_start_version == 4
+    assert group.create() is None  # Already running: no second set of ranks.
+
+
+def test_manager_registration_only_moves_the_weight_version_forward(tmp_path, no_ray):
+    log: list = []
+    args = _args(tmp_path)
+    group = _group(args, log)
+    group._rollout_manager.register_training_actors = Remote(
+        log, "manager.register", {"update_weight_start_version": 1, "rollout_engine_urls": ["u"]}
+    )
+    group._register_with_rollout_manager()
+    assert group._disk_weight_version == 3 and args.update_weight_start_version == 3
+    assert args.rollout_engine_urls == ["u"]
+    group._rollout_manager.register_training_actors.result = {"update_weight_start_version": 10}
+    group._register_with_rollout_manager()
+    assert group._disk_weight_version == 10 and args.update_weight_start_version == 10
+    group._actor_handlers = [FakeRank(log, args)]  # Ranks initialize after registration, from these args.
+    group.update_weights()
+    assert (str(tmp_path / "weights" / "weight_v000011"), "11") in [c[1] for c in log]
+
+
+def test_backend_class_comes_from_the_registry(tmp_path):
+    from slime.plugins.torch_backend import TorchTrainRayActor
+
+    assert RayTrainGroup(_args(tmp_path), 1, 1, pg=None)._backend_class() is TorchTrainRayActor
+    assert RayTrainGroup(_args(tmp_path), 1, 1, pg=None, actor_cls=FakeRank)._backend_class() is FakeRank
+    from slime.plugin_manager import PluginError
+
+    with pytest.raises(PluginError, match="nope"):
+        RayTrainGroup(_args(tmp_path, train_backend="nope"), 1, 1, pg=None)._backend_class()
+
+
+def test_allocation_needs_enough_bundles(tmp_path):
+    group = RayTrainGroup(_args(tmp_path), 1, 2, pg=None)
+    with pytest.raises(ValueError, match="placement"):
+        group._allocate_gpus_for_actor(None, 0)
+    with pytest.raises(ValueError, match="needs 2 bundles"):
+        group._allocate_gpus_for_actor(Placement(object(), [0]), 0)
+
+
+@pytest.mark.slow
+def test_ranks_start_in_cpu_placement_bundles_with_a_shared_master(tmp_path):
+    import ray
+
+    from slime.ray.placement_group import create_placement_groups
+
+    class EnvRank:
+        """A real (tiny) rank class, defined here so Ray ships it by value: reports its environment."""
+
+        def init(self, args, role, with_ref=False, with_opd_teacher=False):
+            return 0
+
+        def env(self):
+            import os
+
+            return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+
+        def train(self, rollout_id, refs):
+            return {"rank": int(__import__("os").environ["RANK"]), "rollout_id": rollout_id}
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        args = SimpleNamespace(actor_num_nodes=1, actor_num_gpus_per_node=2, use_critic=False)
+        pgs = create_placement_groups(args)
+        assert pgs["actor"].num_gpus_per_bundle == 0 and list(pgs["actor"].bundle_indices) == [0, 1]
+        group = RayTrainGroup(args, 1, 2, pg=pgs["actor"], num_gpus_per_actor=0, actor_cls=EnvRank)
+        assert group.create() == [0, 0]
+        envs = ray.get([actor.env.remote() for actor in group._actor_handlers])
+        assert [e["RANK"] for e in envs] == ["0", "1"] and {e["WORLD_SIZE"] for e in envs} == {"2"}
+        assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+        assert ray.get(group.async_train(4, [])) == [{"rank": 0, "rollout_id": 4}, {"rank": 1, "rollout_id": 4}]
+        with pytest.raises(ValueError, match="exceed the cluster"):
+            create_placement_groups(SimpleNamespace(actor_num_nodes=1, actor_num_gpus_per_node=3))
+        group.release()
+        assert group._actor_handlers == []
+    finally:
+        ray.shutdown()
