@@ -1,0 +1,214 @@
+"""Prompt data sources: the dataset of prompts a run samples groups from, with a resumable cursor.
+
+`RolloutDataSource` reads `--prompt-data` (JSONL, or Parquet with pyarrow) once, yields groups of
+`--n-samples-per-prompt` Samples per prompt in order (shuffled per epoch with `--rollout-seed` when
+`--rollout-shuffle`), wraps around epochs, and saves its cursor with each checkpoint as
+`<save>/rollout/global_dataset_state_dict_<id>.pt`. `RolloutDataSourceWithBuffer` adds a buffer of groups
+handed back (`add_samples`, e.g. aborted generations) that is served before new prompts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+from slime.utils.types import Sample
+
+STATE_VERSION = 1
+
+
+class DataSource(ABC):
+    """What a rollout function samples prompt groups from."""
+
+    @abstractmethod
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        """`num_samples` groups (each a list of `n_samples_per_prompt` Samples)."""
+
+    @abstractmethod
+    def add_samples(self, samples: list[list[Sample]]) -> None:
+        """Hand groups back (unfinished generations) to be served again."""
+
+    @abstractmethod
+    def save(self, rollout_id: int) -> None:
+        """Persist the cursor with checkpoint `rollout_id`."""
+
+    @abstractmethod
+    def load(self, rollout_id: int | None = None) -> None:
+        """Restore the cursor saved with checkpoint `rollout_id`."""
+
+
+def read_prompt_records(path: str | os.PathLike) -> list[dict]:
+    """Rows of a JSONL or Parquet prompt file; errors name the file and line."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompt-data {path} does not exist")
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(f"Reading {path} needs pyarrow: pip install pyarrow", name="pyarrow") from exc
+        return pq.read_table(path).to_pylist()
+    records = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: each line must be a JSON object, got {type(record).__name__}")
+            records.append(record)
+    if not records:
+        raise ValueError(f"--prompt-data {path} holds no prompts")
+    return records
+
+
+def _to_sample(record: dict, args: Any, row: int, path: Any) -> Sample:
+    input_key = getattr(args, "input_key", None) or "prompt"
+    if input_key not in record:
+        raise KeyError(f"{path}: row {row} has no {input_key!r} field (--input-key); fields: {sorted(record)}")
+    prompt = record[input_key]
+    if getattr(args, "apply_chat_template", False) and isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    label_key = getattr(args, "label_key", None)
+    metadata_key = getattr(args, "metadata_key", None) or "metadata"
+    metadata = record.get(metadata_key) or {}
+    if isinstance(metadata, str):
+        metadata = json.loads(metadata)
+    label = record.get(label_key) if label_key else None
+    return Sample(prompt=prompt, label=None if label is None else str(label), metadata=dict(metadata))
+
+
+class RolloutDataSource(DataSource):
+    """Prompt groups from `--prompt-data` with a resumable cursor (epoch, offset, group and sample counters)."""
+
+    def __init__(self, args: Any) -> None:
+        self.args = args
+        self.n_samples_per_prompt = int(getattr(args, "n_samples_per_prompt", 1) or 1)
+        path = getattr(args, "prompt_data", None)
+        if not path:
+            raise ValueError("RolloutDataSource needs --prompt-data FILE.jsonl (or .parquet)")
+        self.dataset = [_to_sample(r, args, i, path) for i, r in enumerate(read_prompt_records(path))]
+        self.epoch_id = 0
+        self.sample_offset = 0
+        self.sample_group_index = 0
+        self.sample_index = 0
+        self._order = self._epoch_order(0)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.dataset)))
+        if getattr(self.args, "rollout_shuffle", False):
+            random.Random(int(getattr(self.args, "rollout_seed", 42) or 0) + epoch).shuffle(order)
+        return order
+
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        groups = []
+        for _ in range(int(num_samples)):
+            if self.sample_offset >= len(self._order):
+                self.epoch_id += 1
+                self.sample_offset = 0
+                self._order = self._epoch_order(self.epoch_id)
+            prompt = self.dataset[self._order[self.sample_offset]]
+            self.sample_offset += 1
+            group = []
+            for _ in range(self.n_samples_per_prompt):
+                sample = copy.deepcopy(prompt)
+                sample.group_index = self.sample_group_index
+                sample.index = self.sample_index
+                self.sample_index += 1
+                group.append(sample)
+            self.sample_group_index += 1
+            groups.append(group)
+        return groups
+
+    def add_samples(self, samples: list[list[Sample]]) -> None:
+        raise RuntimeError(f"{type(self).__name__} cannot take groups back; use RolloutDataSourceWithBuffer")
+
+    def state_dict(self) -> dict:
+        return {
+            "version": STATE_VERSION,
+            "epoch_id": self.epoch_id,
+            "sample_offset": self.sample_offset,
+            "sample_group_index": self.sample_group_index,
+            "sample_index": self.sample_index,
+            "dataset_size": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"Unsupported data source state version {state.get('version')!r}")
+        if state.get("dataset_size") != len(self.dataset):
+            raise ValueError(
+                f"The saved data source cursor is for {state.get('dataset_size')} prompts but --prompt-data has "
+                f"{len(self.dataset)}; resume with the same prompt file"
+            )
+        self.epoch_id = int(state["epoch_id"])
+        self.sample_offset = int(state["sample_offset"])
+        self.sample_group_index = int(state["sample_group_index"])
+        self.sample_index = int(state["sample_index"])
+        self._order = self._epoch_order(self.epoch_id)
+
+    @staticmethod
+    def state_path(directory: str | os.PathLike, rollout_id: int) -> Path:
+        return Path(directory).expanduser() / "rollout" / f"global_dataset_state_dict_{rollout_id}.pt"
+
+    def save(self, rollout_id: int) -> None:
+        """Write the cursor durably (temporary file, fsync, rename, directory fsync); no-op without --save."""
+        import torch
+
+        save = getattr(self.args, "save", None)
+        if not save:
+            return
+        path = self.state_path(save, rollout_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(".pt.tmp")
+        with open(temporary, "wb") as handle:
+            torch.save(self.state_dict(), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+    def load(self, rollout_id: int | None = None) -> None:
+        """Restore the cursor saved under `--load` with `rollout_id` (nothing to do without either)."""
+        import torch
+
+        load = getattr(self.args, "load", None)
+        if not load or rollout_id is None:
+            return
+        path = self.state_path(load, rollout_id)
+        if not path.is_file():
+            raise FileNotFoundError(f"No data source state {path}: was checkpoint {rollout_id} saved with --save?")
+        self.load_state_dict(torch.load(path, weights_only=True))
+
+
+class RolloutDataSourceWithBuffer(RolloutDataSource):
+    """`RolloutDataSource` that serves handed-back groups first (in the order they came back)."""
+
+    def __init__(self, args: Any) -> None:
+        super().__init__(args)
+        self.buffer: list[list[Sample]] = []
+
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
+        taken, self.buffer = self.buffer[:num_samples], self.buffer[num_samples:]
+        return taken + (super().get_samples(num_samples - len(taken)) if len(taken) < num_samples else [])
+
+    def add_samples(self, samples: list[list[Sample]]) -> None:
+        for group in samples:
+            if not isinstance(group, list) or not all(isinstance(s, Sample) for s in group):
+                raise TypeError("add_samples takes a list of groups, each a list of Samples")
+            self.buffer.append(group)

@@ -1,0 +1,113 @@
+"""Logging setup and metrics tracking as JSON lines (no external services).
+
+Metrics go to `<--metrics-dir>/metrics.jsonl`, or `<--save>/metrics.jsonl` when only `--save` is set;
+without either, metrics are logged only. Each line is one JSON object `{"step", "time", **metrics}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_files: dict[str, Any] = {}
+_files_lock = threading.Lock()
+
+
+def configure_logger(level: int = logging.INFO) -> None:
+    """Give the root logger one stream handler with a timestamped format (idempotent)."""
+    root = logging.getLogger()
+    if not any(getattr(handler, "_slime", False) for handler in root.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s %(levelname)s %(name)s] %(message)s"))
+        handler._slime = True
+        root.addHandler(handler)
+    root.setLevel(level)
+    # One INFO line per HTTP request would drown the run's own log.
+    logging.getLogger("httpx").setLevel(max(level, logging.WARNING))
+
+
+def metrics_path(args: Any) -> Path | None:
+    """Where metrics of this run are written, or None when the run has no metrics or save directory."""
+    directory = getattr(args, "metrics_dir", None) or getattr(args, "save", None)
+    return Path(directory).expanduser() / "metrics.jsonl" if directory else None
+
+
+def init_tracking(args: Any, primary: bool = True) -> None:
+    """Open the metrics file for appending (the primary process creates its directory)."""
+    path = metrics_path(args)
+    if path is None:
+        return
+    if primary:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    _open(path)
+
+
+def _open(path: Path) -> Any:
+    key = str(path)
+    with _files_lock:
+        handle = _files.get(key)
+        if handle is None or handle.closed:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = _files[key] = open(path, "a", encoding="utf-8")
+        return handle
+
+
+def log_metrics(args: Any, step: int, metrics: dict) -> None:
+    """Append one metrics line (flushed and fsynced: metrics survive a killed run)."""
+    logger.info("step %s: %s", step, metrics)
+    path = metrics_path(args)
+    if path is None:
+        return
+    handle = _open(path)
+    line = json.dumps({"step": step, "time": time.time(), **metrics}, default=float, sort_keys=True)
+    with _files_lock:
+        handle.write(line + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def finish_tracking(args: Any) -> None:
+    """Close this run's metrics file."""
+    path = metrics_path(args)
+    if path is None:
+        return
+    with _files_lock:
+        handle = _files.pop(str(path), None)
+    if handle is not None:
+        handle.close()
+
+
+def _mean(values: list) -> float | None:
+    numbers = [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return sum(numbers) / len(numbers) if numbers else None
+
+
+def log_rollout_data(rollout_id: int, args: Any, samples: list, metrics: dict | None, time_s: float) -> None:
+    """Log the reward and response-length statistics of one training rollout plus the rollout's own metrics."""
+    rewards = [sample.get_reward_value(args) for sample in samples]
+    lengths = [sample.response_length for sample in samples]
+    record: dict[str, Any] = {"rollout/time": time_s, "rollout/num_samples": len(samples)}
+    if (reward := _mean(rewards)) is not None:
+        record["rollout/reward"] = reward
+    if (length := _mean(lengths)) is not None:
+        record["rollout/response_length"] = length
+    record.update(metrics or {})
+    log_metrics(args, rollout_id, record)
+
+
+def log_eval_rollout_data(rollout_id: int, args: Any, data: dict, metrics: dict | None) -> None:
+    """Log the mean reward of every evaluation dataset (`data[name]["rewards"]`) plus the eval metrics."""
+    record: dict[str, Any] = {}
+    for name, values in (data or {}).items():
+        rewards = values.get("rewards", []) if isinstance(values, dict) else []
+        if (reward := _mean(rewards)) is not None:
+            record[f"eval/{name}"] = reward
+    record.update(metrics or {})
+    log_metrics(args, rollout_id, record)

@@ -1,0 +1,395 @@
+"""The rollout manager: one Ray actor that runs rollout steps and hands training batches to the trainers.
+
+Per step it calls the rollout function (default `slime.rollout.sglang_rollout.generate_rollout`), accepts
+the raw rollout into the queue (durable transports), plans and converts the batch with the `BatchBuilder`
+and returns one small reference per data-parallel rank. With a serving cluster (`serving=`), engines and
+the queue controller belong to the cluster: the manager borrows them and never disposes them.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from slime.data.refs import DiskPayloadRef
+from slime.data.transport import accept_raw_rollout, check_rollout_storage, load_rollout_samples, use_straw
+from slime.observability import logging_utils
+from slime.observability.logging_utils import configure_logger, init_tracking, log_eval_rollout_data, log_rollout_data
+from slime.observability.rollout_data_utils import (
+    load_debug_rollout_data,
+    save_debug_rollout_data,
+    validate_rollout_id_annotated,
+)
+from slime.ray.lock import Lock
+from slime.rollout.base_types import RolloutFnTrainOutput, call_rollout_fn, iter_samples
+from slime.utils.misc import load_function
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DATA_SOURCE = "prompts"
+DEFAULT_ROLLOUT_FUNCTION = "sglang"
+
+
+def _is_straw_archive(template: Any) -> bool:
+    return isinstance(template, str) and template.endswith(".straw.json")
+
+
+@ray.remote
+class RolloutManager:
+    """Runs rollout steps; owns (or borrows) the data source, queue controller and batch builder."""
+
+    def __init__(
+        self, args: Any, pg: Any, *, restore_plan: Any = None, serving: Any = None, deployment: Any = None
+    ) -> None:
+        configure_logger()
+        self.serving = serving
+        self.pg = pg
+        self.args = args
+        self.restore_plan = restore_plan
+        self.controller = deployment.controller if deployment is not None else None
+        self._owns_controller = False
+        self._launched_servers = False
+        self.weight_version = int(getattr(args, "update_weight_start_version", 0) or 0)
+        self.rollout_id = -1
+        self.train_actors: dict[str, list] = {}
+        straw = use_straw(args)
+        if straw:
+            check_rollout_storage(args)
+
+        if getattr(args, "debug_train_only", False):
+            self.servers: dict = {}
+        elif deployment is not None:
+            self.servers = deployment.servers
+        else:
+            from slime.ray.serving import launch_rollout_servers
+
+            self.servers = launch_rollout_servers(args)
+            self._launched_servers = True
+        self._publish_engine_urls()
+        try:
+            self._init_components(straw, restore_plan)
+        except BaseException:
+            self._release_after_failed_init()
+            raise
+        init_tracking(args, primary=False)
+        if deployment is not None:
+            self.rollout_engine_lock = deployment.engine_lock
+        else:
+            # A lock needs no CPU slot of its own (training ranks would wait for it on small machines).
+            self.rollout_engine_lock = Lock.options(num_cpus=0, num_gpus=0).remote()
+
+    def _init_components(self, straw: bool, restore_plan: Any) -> None:
+        args = self.args
+        self.data_source = self._create_data_source(straw, restore_plan)
+        rollout_function = getattr(args, "rollout_function_path", None) or DEFAULT_ROLLOUT_FUNCTION
+        self.generate_rollout = load_function(rollout_function)
+        self.eval_generate_rollout = load_function(getattr(args, "eval_function_path", None) or rollout_function)
+        from slime.data.batch_builder import BatchBuilder
+
+        self.batch_builder = BatchBuilder(args, controller=self.controller)
+
+    def _release_after_failed_init(self) -> None:
+        """A constructor failure must not leave engines or an owned controller behind."""
+        if self._owns_controller:
+            try:
+                ray.get(self.controller.close.remote())
+            finally:
+                ray.kill(self.controller, no_restart=True)
+        if self._launched_servers:
+            for server in self.servers.values():
+                server.shutdown()
+
+    def _create_data_source(self, straw: bool, restore_plan: Any) -> Any:
+        """Custom sources are built first with `(args)` only; a default controller is made only if needed."""
+        args = self.args
+        source_cls = load_function(getattr(args, "data_source_path", None) or DEFAULT_DATA_SOURCE)
+        if not straw:
+            return source_cls(args)
+        from slime.data import queue_data_source
+
+        source = None
+        if source_cls is not queue_data_source.QueueDataSource:
+            source = source_cls(args)
+            if isinstance(source, queue_data_source.QueueReader) and self.controller is None:
+                self.controller = source.controller
+        if self.controller is None:
+            if self.serving is not None:
+                self.controller = ray.get(self.serving.get_queue_controller.remote())
+            else:
+                self.controller = queue_data_source.create_queue_controller(args, restore_plan=restore_plan)
+                self._owns_controller = True
+        if source is None:
+            source = source_cls(
+                args,
+                controller=self.controller,
+                restore_plan=restore_plan,
+                reader_generation=uuid.uuid4().hex if self.serving is not None else "",
+            )
+        return source
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def dispose(self, timeout: float | None = None) -> None:
+        """Close the source, the owned controller, seal the store and finish tracking; never the serving cluster.
+
+        Every step runs even when an earlier one failed; the first failure is re-raised at the end.
+        """
+        from slime.data import transport
+
+        timeout = timeout if timeout is not None else getattr(self.args, "rollout_cleanup_timeout", None)
+        errors: list[BaseException] = []
+
+        def step(fn: Any) -> None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - collected and re-raised below
+                logger.exception("Rollout manager cleanup step failed")
+                errors.append(exc)
+
+        close = getattr(self.data_source, "close", None)
+        if close is not None:
+            step(close)
+        if self._owns_controller and self.controller is not None:
+            controller = self.controller
+
+            def close_controller() -> None:
+                try:
+                    if timeout is None:
+                        ray.get(controller.close.remote())
+                    else:
+                        ray.get(controller.close.remote(), timeout=timeout)
+                finally:
+                    ray.kill(controller, no_restart=True)
+
+            step(close_controller)
+            self._owns_controller = False
+        if use_straw(self.args):
+            step(lambda: transport.seal_rollout_store(self.args))
+        if self._launched_servers:
+            for server in self.servers.values():
+                step(server.shutdown)
+            self._launched_servers = False
+        step(lambda: logging_utils.finish_tracking(self.args))
+        if errors:
+            raise RuntimeError(f"Rollout manager cleanup failed: {errors[0]}") from errors[0]
+
+    # ------------------------------------------------------------ rollout boundary
+
+    def generate(self, rollout_id: int) -> Any:
+        """Run rollout step `rollout_id`; returns one `Box` per data-parallel rank (None when rollout-only)."""
+        start_time = time.time()
+        self.rollout_id = rollout_id
+        self.batch_builder.rollout_id = rollout_id
+        self.health_monitoring_resume()
+        result = self._generate(rollout_id, start_time)
+        if self.serving is not None:
+            self.servers = ray.get(self.serving.finish_rollout.remote())
+        return result
+
+    def eval(self, rollout_id: int) -> None:
+        args = self.args
+        if getattr(args, "debug_train_only", False):
+            return
+        self.rollout_id = rollout_id
+        self.health_monitoring_resume()
+        result = call_rollout_fn(self.eval_generate_rollout, args, rollout_id, self.data_source, evaluation=True)
+        if self.serving is not None:
+            self.servers = ray.get(self.serving.finish_rollout.remote())
+        save_debug_rollout_data(
+            getattr(args, "save_debug_rollout_data", None), result.data, rollout_id=rollout_id, evaluation=True
+        )
+        log_eval_rollout_data(rollout_id, args, result.data, result.metrics)
+
+    def _generate(self, rollout_id: int, start_time: float) -> Any:
+        self._publish_engine_urls()  # engines may have been relaunched since the last step
+        args = self.args
+        straw = use_straw(args)
+        data, metrics = self._get_rollout_data(rollout_id)
+        save_debug_rollout_data(
+            getattr(args, "save_debug_rollout_data", None),
+            data,
+            rollout_id=rollout_id,
+            evaluation=False,
+            args=args,
+            reference=self.batch_builder.raw_ref if straw else None,
+        )
+        log_rollout_data(rollout_id, args, data, metrics, time.time() - start_time)
+        if getattr(args, "debug_rollout_only", False):
+            return None
+        cached = self.batch_builder.begin(data, replay=bool(getattr(args, "load_debug_rollout_data", None)))
+        if cached is not None:
+            return cached
+        converted = self.batch_builder.convert(data)
+        if straw:
+            converted = self.batch_builder.publish_converted(converted)
+        return self.batch_builder.split_by_dp(converted)
+
+    def _get_rollout_data(self, rollout_id: int) -> tuple[list, dict | None]:
+        """This step's Samples (flat list) and the rollout function's metrics."""
+        args = self.args
+        straw = use_straw(args)
+        template = getattr(args, "load_debug_rollout_data", None)
+        subsample = getattr(args, "load_debug_rollout_data_subsample", None)
+        if template and straw and _is_straw_archive(template) and not subsample:
+            return self._replay_archive(template, rollout_id), None
+        if template:
+            data = load_debug_rollout_data(template, rollout_id=rollout_id, subsample_ratio=subsample)
+            self.batch_builder.raw_ref = None
+            return self._flatten(validate_rollout_id_annotated(data)), None
+        output = call_rollout_fn(self.generate_rollout, args, rollout_id, self.data_source, evaluation=False)
+        if straw:
+            samples = getattr(output, "samples", None)
+            accepted = accept_raw_rollout(output, args, rollout_id, controller=self.controller)
+            self.batch_builder.raw_ref = accepted
+            metrics = accepted.metrics
+            if isinstance(samples, list) and not any(isinstance(s, DiskPayloadRef) for s in samples):
+                data = samples
+            else:
+                data = load_rollout_samples(accepted)
+        else:
+            metrics = output.metrics
+            data = load_rollout_samples(output.samples)
+        return self._flatten(validate_rollout_id_annotated(data)), metrics
+
+    def _replay_archive(self, template: str, rollout_id: int) -> list:
+        """Accept an archived rollout by reference: no Sample is re-encoded and no tensor is loaded."""
+        from slime.data.archive import RolloutArchive
+
+        args = self.args
+        path = Path(template.format(rollout_id=rollout_id)).expanduser()
+        archive = RolloutArchive(path)
+        try:
+            pool = str(Path(args.rollout_data_dir).expanduser().resolve())
+            run_id = getattr(args, "rollout_queue_run_id", None) or "rollout"
+            if str(Path(archive.index["root"]).resolve()) != pool or archive.manifest.manifest.segment.run_id != run_id:
+                raise ValueError(
+                    f"Debug rollout archives must belong to the same Straw storage pool and run: {path} was written "
+                    f"to {archive.index['root']} (run {archive.manifest.manifest.segment.run_id}), this replay "
+                    f"uses {pool} (run {run_id})"
+                )
+            data = archive.load_samples()
+            refs = archive.sample_refs()
+        finally:
+            archive.close()
+        self.batch_builder.raw_ref = accept_raw_rollout(
+            RolloutFnTrainOutput(samples=data, sample_refs=refs), args, rollout_id, controller=self.controller
+        )
+        return self._flatten(data)
+
+    @staticmethod
+    def _flatten(data: Any) -> list:
+        return list(iter_samples(data))
+
+    # ------------------------------------------------------------------ engines
+
+    def recover_updatable_engines(self) -> None:
+        """Relaunch dead engines before a weight update (the serving cluster decides, whatever the rollout id)."""
+        if self.serving is not None:
+            self.servers = ray.get(self.serving.recover_updatable_engines.remote())
+            return
+        if self.rollout_id == -1:
+            return
+        for server in self.servers.values():
+            if getattr(server, "update_weights", False):
+                server.recover()
+        self._publish_engine_urls()
+
+    def health_monitoring_resume(self) -> None:
+        if self.serving is not None:
+            self.servers = ray.get(self.serving.health_monitoring_resume.remote())
+
+    def health_monitoring_pause(self) -> None:
+        if self.serving is not None:
+            self.servers = ray.get(self.serving.health_monitoring_pause.remote())
+
+    def _publish_engine_urls(self) -> None:
+        """Rollout functions find the engines in `args.rollout_engine_urls` (a copy: the caller's args stay as-is)."""
+        urls = self.engine_urls()
+        if urls and list(getattr(self.args, "rollout_engine_urls", None) or []) != urls:
+            self.args = copy.copy(self.args)
+            self.args.rollout_engine_urls = urls
+
+    def engine_urls(self) -> list[str]:
+        return [url for server in self.servers.values() for url in getattr(server, "urls", [])]
+
+    def _post_engines(self, endpoint: str, payload: dict) -> list[dict]:
+        import httpx
+
+        results = []
+        with httpx.Client(timeout=getattr(self.args, "rollout_http_timeout", 600) or 600) as client:
+            for url in self.engine_urls():
+                response = client.post(f"{url}/{endpoint}", json=payload)
+                if response.status_code != 200:
+                    raise RuntimeError(f"Engine {url}/{endpoint} failed ({response.status_code}): {response.text}")
+                results.append(response.json() if response.content else {})
+        return results
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        """Have every engine load the exported weights at `model_path` as `weight_version`."""
+        self._post_engines("update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version})
+        self.weight_version = int(weight_version)
+
+    def get_weight_version(self) -> int:
+        """The version the engines serve (the serving cluster's answer when attached to one)."""
+        if self.serving is not None:
+            version = ray.get(self.serving.get_weight_version.remote())
+        else:
+            from slime.ray.serving import engine_weight_version
+
+            version = engine_weight_version(self.engine_urls())
+        return self.weight_version if version is None else version
+
+    def register_training_actors(self, role: str, handles: list) -> dict:
+        """Remember a group's ranks; returns the configuration they must adopt (weight version, engine URLs)."""
+        self.train_actors[role] = list(handles)
+        return {"update_weight_start_version": self.weight_version, "rollout_engine_urls": self.engine_urls()}
+
+    def set_train_parallel_config(self, config: dict) -> None:
+        self.batch_builder.train_parallel_config = config
+
+    def training_ready(self) -> None:
+        """Trainers hold the initial weights; rollout may start."""
+
+    def pause_rollout_admission(self) -> bool:
+        return False
+
+    def resume_rollout_admission(self) -> None:
+        """Admission is never paused by this manager (no background generation between steps)."""
+
+    def get_num_rollout_per_epoch(self) -> int:
+        size = len(getattr(self.data_source, "dataset", None) or [])
+        batch = int(getattr(self.args, "rollout_batch_size", 1) or 1)
+        if size == 0:
+            raise ValueError("--num-epoch needs a data source with a known dataset size (use --num-rollout)")
+        return max(1, size // batch)
+
+    # --------------------------------------------------------------- checkpoints
+
+    def save(self, rollout_id: int) -> None:
+        """Save the data source and batch builder with training step `rollout_id` (consumers paused meanwhile)."""
+        paused = []
+        try:
+            for consumer in dict(getattr(self.data_source, "consumers", None) or {}).values():
+                if hasattr(consumer, "pause"):
+                    consumer.pause()
+                    paused.append(consumer)
+            self.data_source.save(rollout_id)
+            self.batch_builder.save(rollout_id)
+        finally:
+            for consumer in paused:
+                consumer.resume()
+
+    def load(self, rollout_id: int | None = None) -> None:
+        restored = self.data_source.load(rollout_id)
+        from slime.data.checkpoint import SourceRestore
+
+        self.batch_builder.load(rollout_id, source_restore=restored if isinstance(restored, SourceRestore) else None)
+
+    def training_completed(self, rollout_id: int) -> None:
+        self.batch_builder.training_completed(rollout_id)

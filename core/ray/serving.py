@@ -1,0 +1,236 @@
+"""The serving cluster: a detached owner of the rollout engines, their router, the queue controller and
+the engine lock, so that a trainer crash (and a new driver) can reattach to running engines.
+
+Engines come from the rollout-engine plugin selected by `--rollout-engine` (registry kind
+"rollout_engines"); its launcher is `target(args, num_engines) -> list[str]` of engine URLs (the list may
+carry the engines' Ray actors in `.actors` and a `shutdown()`). Importing this module imports no SGLang.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServingDeployment:
+    """What a `RolloutManager` needs from a serving cluster it attaches to."""
+
+    placements: dict
+    servers: dict
+    controller: Any
+    restore_plan: Any
+    routers: dict
+    engine_lock: Any
+    reused: bool = False
+
+
+@dataclass
+class RolloutServer:
+    """One model's engines: their URLs, the launcher that made them and the slots of engines that died.
+
+    `all_engines[i]` is None when engine i is gone; `recover()` relaunches exactly those and counts them in
+    `num_new_engines` (trainers must connect to new engines before the next weight update).
+    """
+
+    args: Any
+    launcher: Any
+    urls: list = field(default_factory=list)
+    all_engines: list = field(default_factory=list)
+    router: Any = None
+    update_weights: bool = True
+    num_new_engines: int = 0
+    launched: list = field(default_factory=list, repr=False)
+
+    @classmethod
+    def launch(cls, args: Any, launcher: Any, num_engines: int) -> RolloutServer:
+        engines = launcher(args, num_engines)
+        server = cls(args, launcher, list(engines), list(getattr(engines, "actors", None) or engines))
+        server.launched.append(engines)
+        server.num_new_engines = len(server.urls)
+        return server
+
+    @property
+    def url(self) -> str:
+        """The address rollout functions send requests to: the router's, else the first engine's."""
+        if self.router is not None:
+            return self.router.url
+        if not self.urls:
+            raise RuntimeError("The rollout server has no engines")
+        return self.urls[0]
+
+    def recover(self) -> None:
+        """Relaunch every engine whose slot is None."""
+        missing = [index for index, engine in enumerate(self.all_engines) if engine is None]
+        if not missing:
+            self.num_new_engines = 0
+            return
+        engines = self.launcher(self.args, len(missing))
+        self.launched.append(engines)
+        actors = list(getattr(engines, "actors", None) or engines)
+        for slot, url, actor in zip(missing, engines, actors, strict=True):
+            self.urls[slot] = url
+            self.all_engines[slot] = actor
+        self.num_new_engines = len(missing)
+
+    def shutdown(self) -> None:
+        if self.router is not None:
+            self.router.close()
+        for engines in self.launched:
+            if hasattr(engines, "shutdown"):
+                engines.shutdown()
+
+
+def engine_weight_version(urls: list[str], *, allow_inconsistent: bool = False) -> int | None:
+    """The weight version all engines at `urls` serve (`/get_weight_version`); None without engines.
+
+    Inconsistent or non-numeric versions are an error (unless `allow_inconsistent`: then the oldest).
+    """
+    import httpx
+
+    versions = set()
+    for url in urls:
+        try:
+            response = httpx.get(f"{url}/get_weight_version", timeout=30)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"Cannot read the weight version of engine {url}: {exc}") from exc
+        info = response.json()
+        versions.add(str(info.get("weight_version") if isinstance(info, dict) else info))
+    if not versions:
+        return None
+    try:
+        numbers = sorted(int(version) for version in versions)
+    except ValueError as exc:
+        raise RuntimeError(f"Rollout engines report a non-numeric weight version: {sorted(versions)}") from exc
+    if len(numbers) > 1 and not allow_inconsistent:
+        raise RuntimeError(f"Rollout engines serve inconsistent weight versions: {numbers}")
+    return numbers[0]
+
+
+def launch_rollout_servers(args: Any) -> dict[str, RolloutServer]:
+    """Start the engines of `--rollout-engine` (default "cpu"); returns `{"model": RolloutServer}`."""
+    from slime.plugin_manager import registry_for
+
+    name = getattr(args, "rollout_engine", "cpu") or "cpu"
+    spec = registry_for(args).get("rollout_engines", name)
+    if spec.target is None:
+        raise RuntimeError(f"Rollout engine plugin {name!r} registers no launcher; install the plugin that serves it")
+    num_engines = int(getattr(args, "rollout_num_engines", 1) or 1)
+    return {"model": RolloutServer.launch(args, spec.target, num_engines)}
+
+
+@ray.remote
+class ServingCluster:
+    """Owns engines, router, queue controller and engine lock across trainer restarts."""
+
+    def __init__(self, args: Any, restore_plan: Any = None) -> None:
+        from slime.ray.lock import Lock
+
+        self.args = copy.deepcopy(args)
+        self.restore_plan = restore_plan
+        self.servers = launch_rollout_servers(self.args)
+        self._health_monitors: list = []
+        self._controller = None
+        self._trainers: dict[str, list] = {}
+        self._job_id = None
+        self.engine_lock = Lock.options(num_cpus=0, num_gpus=0).remote()
+
+    def _pause_monitors(self) -> None:
+        for monitor in self._health_monitors:
+            monitor.pause()
+
+    def recover_updatable_engines(self) -> dict:
+        """Relaunch dead engines of the updatable server; never `recover()` when all are alive.
+
+        A no-op recover would reset `num_new_engines`, losing the markers a fresh trainer needs.
+        """
+        self._pause_monitors()
+        server = next((s for s in self.servers.values() if getattr(s, "update_weights", False)), None)
+        if server is not None and any(engine is None for engine in server.all_engines):
+            server.recover()
+        return self.servers
+
+    def finish_rollout(self) -> dict:
+        """Rollout boundary: pause the health monitors and check every engine once."""
+        self._pause_monitors()
+        for monitor in self._health_monitors:
+            monitor.check_once()
+        return self.servers
+
+    def health_monitoring_resume(self) -> dict:
+        for monitor in self._health_monitors:
+            monitor.resume()
+        return self.servers
+
+    def health_monitoring_pause(self) -> dict:
+        self._pause_monitors()
+        return self.servers
+
+    def get_queue_controller(self) -> Any:
+        """The run's queue controller, created on first use and owned by this cluster."""
+        if self._controller is None:
+            from slime.data import queue_data_source
+
+            self._controller = queue_data_source.create_queue_controller(self.args, restore_plan=self.restore_plan)
+        return self._controller
+
+    def deployment(self, reused: bool = False) -> ServingDeployment:
+        return ServingDeployment(
+            placements={},
+            servers=self.servers,
+            controller=self._controller,
+            restore_plan=self.restore_plan,
+            routers={name: s.router for name, s in self.servers.items() if s.router is not None},
+            engine_lock=self.engine_lock,
+            reused=reused,
+        )
+
+    def attach_training(self, job_id: str) -> dict:
+        if self._job_id not in (None, job_id):
+            raise RuntimeError(f"Serving cluster is attached to training job {self._job_id}; detach it first")
+        self._job_id = job_id
+        return self.servers
+
+    def detach_training(self, job_id: str) -> None:
+        if self._job_id == job_id:
+            self._job_id = None
+            self._trainers.clear()
+
+    def register_trainers(self, role: str, handles: list) -> None:
+        self._trainers[role] = list(handles)
+
+    def release_trainers(self, role: str) -> None:
+        self._trainers.pop(role, None)
+
+    def get_updatable_engines_and_lock(self) -> tuple[list, Any, int]:
+        server = next((s for s in self.servers.values() if s.update_weights), None)
+        if server is None:
+            return [], self.engine_lock, 0
+        return list(server.all_engines), self.engine_lock, server.num_new_engines
+
+    def get_weight_version(self, allow_inconsistent: bool = False) -> int | None:
+        urls = [url for server in self.servers.values() for url in server.urls]
+        return engine_weight_version(urls, allow_inconsistent=allow_inconsistent)
+
+    def clear_updatable_num_new_engines(self) -> None:
+        for server in self.servers.values():
+            if server.update_weights:
+                server.num_new_engines = 0
+
+    def dispose(self) -> None:
+        """Full teardown: the controller (closed, then killed), routers and engines."""
+        try:
+            if self._controller is not None:
+                ray.get(self._controller.close.remote())
+                ray.kill(self._controller, no_restart=True)
+                self._controller = None
+        finally:
+            for server in self.servers.values():
+                server.shutdown()

@@ -1,0 +1,391 @@
+"""The default rollout function: an async HTTP client of SGLang-protocol engines (httpx, no SGLang import).
+
+Engines are reached at `args.rollout_router_url` when set, else round robin over `args.rollout_engine_urls`
+(the manager fills these in). Groups of `n_samples_per_prompt` samples are generated concurrently
+(`--sglang-server-concurrency` requests at a time), scored (`slime.rollout.rm_hub`), filtered
+(`--dynamic-sampling-filter-path`) and, with a durable transport, published *while generation continues*.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Any
+
+from slime.rollout import rm_hub
+from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, finalize_rollout_groups, iter_samples
+from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+from slime.utils.misc import load_function
+from slime.utils.types import Sample
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONCURRENCY = 64
+
+
+def _engine_urls(args: Any) -> list[str]:
+    router = getattr(args, "rollout_router_url", None)
+    if router:
+        return [router]
+    urls = list(getattr(args, "rollout_engine_urls", None) or [])
+    if not urls:
+        raise RuntimeError(
+            "No rollout engine to send requests to: set args.rollout_engine_urls (the rollout manager does this "
+            "after starting the engines) or args.rollout_router_url"
+        )
+    return urls
+
+
+def _served_tokenizer_path(url: str) -> str | None:
+    """The engine's tokenizer directory from `/model_info` when it is readable here, else None (text mode)."""
+    import os
+
+    import httpx
+
+    try:
+        response = httpx.get(f"{url}/model_info", timeout=30)
+    except httpx.HTTPError as exc:
+        logger.warning("Cannot read %s/model_info (%s); prompts are sent as text", url, exc)
+        return None
+    info = response.json() if response.status_code == 200 else {}
+    path = info.get("tokenizer_path") or info.get("model_path") if isinstance(info, dict) else None
+    return path if path and os.path.isdir(path) else None
+
+
+def sampling_params_from_args(args: Any, evaluation: bool = False) -> dict:
+    prefix = "eval_" if evaluation else "rollout_"
+
+    def pick(name: str, default: Any) -> Any:
+        value = getattr(args, prefix + name, None) if evaluation else None
+        return value if value is not None else (getattr(args, "rollout_" + name, None) or default)
+
+    return {
+        "temperature": pick("temperature", 1.0),
+        "top_p": pick("top_p", 1.0),
+        "top_k": pick("top_k", -1),
+        "max_new_tokens": pick("max_response_len", 64),
+    }
+
+
+class GenerateState:
+    """Per-process generation state: HTTP client, semaphore, sampling parameters and pending group tasks."""
+
+    _instance: GenerateState | None = None
+
+    def __new__(cls, args: Any, *, concurrency: int | None = None) -> GenerateState:
+        if cls._instance is None or cls._instance.args is not args:
+            instance = super().__new__(cls)
+            instance._setup(args, concurrency)
+            cls._instance = instance
+        return cls._instance
+
+    def _setup(self, args: Any, concurrency: int | None) -> None:
+        self.args = args
+        self.tokenizer = None
+        checkpoint = getattr(args, "hf_checkpoint", None) or _served_tokenizer_path(_engine_urls(args)[0])
+        if checkpoint:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        self.concurrency = int(concurrency or getattr(args, "sglang_server_concurrency", None) or DEFAULT_CONCURRENCY)
+        self.sampling_params = sampling_params_from_args(args)
+        self._urls = itertools.cycle(_engine_urls(args))
+        self._loop = None
+        self.reset()
+
+    def _bind(self) -> None:
+        """Semaphore and HTTP client belong to one event loop; each `asyncio.run` step gets fresh ones."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop = loop
+            self._semaphore = asyncio.Semaphore(self.concurrency)
+            self._client = None
+
+    @property
+    def semaphore(self) -> asyncio.Semaphore:
+        self._bind()
+        return self._semaphore
+
+    def reset(self) -> None:
+        self.pendings: set[asyncio.Task] = set()
+        self.remaining_batch_size = 0
+        self.aborted = False
+
+    def next_url(self) -> str:
+        return next(self._urls)
+
+    def http(self) -> Any:
+        import httpx
+
+        self._bind()
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=getattr(self.args, "rollout_http_timeout", None) or 600)
+        return self._client
+
+    def submit_generate_tasks(self, groups: list) -> None:
+        for group in groups:
+            self.pendings.add(
+                asyncio.ensure_future(generate_and_rm_group(self.args, group, dict(self.sampling_params)))
+            )
+        self.remaining_batch_size += len(groups)
+
+
+def _prompt_ids(state: GenerateState, sample: Sample) -> list[int] | None:
+    if sample.tokens:
+        return list(sample.tokens)
+    if state.tokenizer is None:
+        return None
+    prompt = sample.prompt
+    if isinstance(prompt, list):
+        return state.tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+    return state.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+
+async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
+    """One `/generate` request; fills `tokens`, `response`, `response_length`, `loss_mask`, log-probs, status.
+
+    The tokenizer comes from `--hf-checkpoint`, else from the engine's `/model_info` tokenizer path; without
+    one the prompt is sent as text and `tokens` holds only the response ids.
+    """
+    state = GenerateState(args)
+    prompt_ids = _prompt_ids(state, sample)
+    body: dict[str, Any] = {"sampling_params": sampling_params, "return_logprob": True}
+    if prompt_ids is not None:
+        body["input_ids"] = prompt_ids
+    else:
+        body["text"] = sample.prompt if isinstance(sample.prompt, str) else str(sample.prompt)
+    url = state.next_url()
+    import httpx
+
+    try:
+        response = await state.http().post(f"{url}/generate", json=body)
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"Rollout engine {url}/generate failed: {type(exc).__name__}: {exc}") from exc
+    if response.status_code != 200:
+        raise RuntimeError(f"Rollout engine {url}/generate answered {response.status_code}: {response.text[:500]}")
+    output = response.json()
+    ids = list(output.get("output_ids") or [])
+    meta = output.get("meta_info") or {}
+    sample.tokens = (prompt_ids or []) + ids
+    sample.response = (sample.response or "") + (output.get("text") or "")
+    sample.response_length += len(ids)
+    sample.loss_mask = (sample.loss_mask or []) + [1] * len(ids)
+    logprobs = meta.get("output_token_logprobs")
+    if logprobs is not None:
+        sample.rollout_log_probs = (sample.rollout_log_probs or []) + [float(item[0]) for item in logprobs]
+    if meta.get("weight_version") is not None:
+        sample.weight_versions.append(str(meta["weight_version"]))
+    finish = (meta.get("finish_reason") or {}).get("type")
+    sample.status = {
+        "length": Sample.Status.TRUNCATED,
+        "abort": Sample.Status.ABORTED,
+    }.get(finish, Sample.Status.COMPLETED)
+    return sample
+
+
+async def generate_and_rm(args: Any, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample:
+    """Generate one sample (custom `--custom-generate-function-path` when set) and score it."""
+    from slime.data import transport
+
+    state = GenerateState(args)
+    path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
+    async with state.semaphore:
+        if state.aborted:
+            sample.status = Sample.Status.ABORTED
+            return sample
+        if path:
+            transport.inherit_queue_context(sample, sample)
+            result = await load_function(path)(args, sample, sampling_params)
+            for produced in iter_samples(result):
+                transport.inherit_queue_context(sample, produced)
+                if getattr(sample, "_queue_lease", None) is not None:
+                    requests = getattr(produced, "queue_generation_requests", None) or 0
+                    produced.queue_generation_requests = requests + 1
+        else:
+            result = await generate(args, sample, sampling_params)
+    for produced in iter_samples(result):
+        if produced.status != Sample.Status.ABORTED and produced.reward is None:
+            produced.reward = await rm_hub.async_rm(args, produced)
+    return result
+
+
+async def generate_and_rm_group(args: Any, group: list, sampling_params: dict, evaluation: bool = False) -> list:
+    """Generate and score one group; all samples finish (or fail) before the first error is raised."""
+    results = await asyncio.gather(
+        *(generate_and_rm(args, s, sampling_params, evaluation) for s in group), return_exceptions=True
+    )
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return list(results)
+
+
+async def abort(args: Any, rollout_id: int) -> list:
+    """Abort in-flight requests, wait for their tasks, and return the unfinished groups (for the data source)."""
+    state = GenerateState(args)
+    state.aborted = True
+    if state.pendings:
+        for url in _engine_urls(args):
+            try:
+                await state.http().post(f"{url}/abort_request", json={"abort_all": True})
+            except Exception as exc:  # noqa: BLE001 - an engine that is gone has nothing left to abort
+                logger.warning("abort_request to %s failed: %s", url, exc)
+    aborted = []
+    for group in await asyncio.gather(*state.pendings, return_exceptions=True):
+        if isinstance(group, BaseException):
+            logger.warning("A generation task failed while aborting: %s", group)
+            continue
+        for sample in iter_samples(group):
+            sample.status = Sample.Status.PENDING
+        aborted.append(group)
+    state.pendings = set()
+    return aborted
+
+
+def _filter(args: Any, group: list) -> DynamicFilterOutput:
+    path = getattr(args, "dynamic_sampling_filter_path", None)
+    if not path:
+        return DynamicFilterOutput(keep=True)
+    verdict = load_function(path)(args, group)
+    return verdict if isinstance(verdict, DynamicFilterOutput) else DynamicFilterOutput(keep=bool(verdict))
+
+
+def _first_index(group: Any) -> int:
+    first = next(iter_samples(group), None)
+    return (first.index if first is not None else None) or 0
+
+
+async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -> tuple[RolloutFnTrainOutput, list]:
+    """Generate until `rollout_batch_size` groups are kept; returns the output and the aborted groups."""
+    from slime.data import transport
+
+    state = GenerateState(args)
+    controller = getattr(getattr(data_source, "__self__", None), "controller", None)
+    hook_path = getattr(args, "rollout_all_samples_process_path", None)
+    publish = transport.use_straw(args) and not hook_path
+    data: list = []
+    all_data: list = []
+    dropped: dict[str, int] = {}
+    try:
+        await _collect(args, rollout_id, data_source, state, data, all_data, dropped, controller, publish)
+    except BaseException:
+        for task in state.pendings:
+            task.cancel()
+        await asyncio.gather(*state.pendings, return_exceptions=True)
+        state.reset()
+        raise
+    aborted = await abort(args, rollout_id)
+    state.reset()
+    metrics = _filter_metrics(dropped, len(all_data))
+    if hook_path:
+        return await _run_all_samples_hook(args, rollout_id, data_source, data, all_data, metrics, controller), aborted
+    if getattr(args, "rollout_sample_filter_path", None):
+        output = finalize_rollout_groups(args, rollout_id, data, metrics, controller=controller)
+    else:
+        output = await asyncio.to_thread(
+            finalize_rollout_groups, args, rollout_id, data, metrics, controller=controller
+        )
+    return output, aborted
+
+
+async def _collect(
+    args: Any,
+    rollout_id: int,
+    data_source: Any,
+    state: Any,
+    data: list,
+    all_data: list,
+    dropped: dict,
+    controller: Any,
+    publish: bool,
+) -> None:
+    """Generate until `rollout_batch_size` groups are kept; kept groups are published as they finish."""
+    from slime.data import transport
+
+    reader = getattr(data_source, "__self__", None)
+    target = int(args.rollout_batch_size)
+    over_sampling = int(getattr(args, "over_sampling_batch_size", None) or target)
+    n_per_prompt = int(getattr(args, "n_samples_per_prompt", 1) or 1)
+    hook_path = getattr(args, "rollout_all_samples_process_path", None)
+    while len(data) < target:
+        while state.remaining_batch_size < target:
+            if reader is not None and hasattr(reader, "get_samples_async"):
+                groups = await reader.get_samples_async(over_sampling)
+            else:
+                groups = data_source(over_sampling)
+            state.submit_generate_tasks(groups)
+        done, state.pendings = await asyncio.wait(state.pendings, return_when=asyncio.FIRST_COMPLETED)
+        errors = [task.exception() for task in done if task.exception() is not None]  # retrieves every error
+        if errors:
+            raise errors[0]
+        for task in done:
+            group = task.result()
+            if len(group) != n_per_prompt:
+                raise AssertionError(f"A generated group has {len(group)} samples, expected {n_per_prompt}")
+            all_data.append(group)
+            if len(data) >= target:
+                continue
+            verdict = _filter(args, group)
+            if not verdict.keep:
+                state.remaining_batch_size -= 1
+                reason = verdict.reason or "filtered"
+                dropped[reason] = dropped.get(reason, 0) + 1
+                if not hook_path:
+                    await asyncio.to_thread(transport.discard_rollout_group, group, args, reason, controller=controller)
+                continue
+            if publish:
+                group = await transport.publish_rollout_async(
+                    group, args, rollout_id, group=True, controller=controller
+                )
+            data.append(group)
+
+
+async def _run_all_samples_hook(
+    args: Any, rollout_id: int, data_source: Any, data: list, all_data: list, metrics: dict | None, controller: Any
+) -> RolloutFnTrainOutput:
+    """Legacy `--rollout-all-samples-process-path`: the hook sees every Sample in memory, then kept groups are
+    published (the hook's mutations included)."""
+    from slime.data import transport
+
+    data.sort(key=_first_index)
+    all_data.sort(key=_first_index)
+    if getattr(args, "rollout_sample_filter_path", None):
+        load_function(args.rollout_sample_filter_path)(args, data)
+    load_function(args.rollout_all_samples_process_path)(args, all_data, data_source)
+    if not transport.use_straw(args):
+        return RolloutFnTrainOutput(samples=data, metrics=metrics)
+    refs = [await transport.publish_rollout_async(g, args, rollout_id, group=True, controller=controller) for g in data]
+    reference = await transport.publish_rollout_async(refs, args, rollout_id)
+    return RolloutFnTrainOutput(samples=reference, metrics=metrics)
+
+
+def _filter_metrics(dropped: dict[str, int], total: int) -> dict | None:
+    if not dropped:
+        return None
+    metrics = {f"rollout/dynamic_filter/drop_{reason}": count for reason, count in dropped.items()}
+    count = sum(dropped.values())
+    metrics["rollout/dynamic_filter/dropped_groups"] = count
+    metrics["rollout/dynamic_filter/dropped_ratio"] = count / max(total, 1)
+    return metrics
+
+
+async def eval_rollout(args: Any, rollout_id: int, data_source: Any) -> RolloutFnEvalOutput:
+    """Evaluate `data_source.eval_datasets` (`{name: list[Sample]}`) once each; rewards per dataset."""
+    datasets = getattr(data_source, "eval_datasets", None) or {}
+    params = sampling_params_from_args(args, evaluation=True)
+    results = {}
+    for name, samples in datasets.items():
+        scored = await asyncio.gather(*(generate_and_rm(args, s, dict(params), True) for s in samples))
+        results[name] = {"rewards": [s.reward for s in scored], "samples": scored}
+    return RolloutFnEvalOutput(data=results)
+
+
+def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
+    """Rollout function entry point (registered as "sglang")."""
+    if evaluation:
+        return asyncio.run(eval_rollout(args, rollout_id, data_source))
+    output, aborted = asyncio.run(generate_rollout_async(args, rollout_id, data_source.get_samples))
+    if aborted:
+        data_source.add_samples(aborted)
+    return output

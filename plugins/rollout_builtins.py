@@ -1,0 +1,113 @@
+"""Built-in rollout plugin: the SGLang-protocol rollout functions, the prompt data source, the
+zero-variance dynamic filter and two verifiable rewards (exact match, final numeric answer)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from slime import hookimpl
+from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+from slime.specs import BatchFilterSpec, DataSourceSpec, RewardFunctionSpec, RolloutFunctionSpec
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def nonzero_std(args: Any, group: list) -> DynamicFilterOutput:
+    """Keep a group only if its rewards differ (a zero-variance group carries no GRPO signal)."""
+    rewards = [sample.get_reward_value(args) for sample in group]
+    if len(rewards) > 1 and any(r != rewards[0] for r in rewards):
+        return DynamicFilterOutput(keep=True)
+    return DynamicFilterOutput(keep=False, reason="zero_std")
+
+
+def _response(sample: Any) -> str:
+    return (sample.response or "").strip()
+
+
+def exact_match(args: Any, sample: Any) -> float:
+    """1.0 when the response equals the label (surrounding whitespace ignored), else 0.0."""
+    if sample.label is None:
+        raise ValueError(f"exact-match reward needs a label (--label-key); sample {sample.index} has none")
+    return float(_response(sample) == str(sample.label).strip())
+
+
+def _boxed(text: str) -> str | None:
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for position in range(begin, len(text)):
+        if text[position] == "{":
+            depth += 1
+        elif text[position] == "}":
+            if depth == 0:
+                return text[begin:position]
+            depth -= 1
+    return None
+
+
+def _number(text: str) -> float | None:
+    matches = _NUMBER.findall(text)
+    if not matches:
+        return None
+    value = matches[-1].replace(",", "")
+    try:
+        if "/" in value:
+            numerator, denominator = value.split("/")
+            return float(numerator) / float(denominator)
+        return float(value)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def final_answer(text: str) -> float | None:
+    """The numeric final answer of `text`: the content of the last `\\boxed{}`, else its last number."""
+    boxed = _boxed(text)
+    return _number(boxed if boxed is not None else text)
+
+
+def math_reward(args: Any, sample: Any) -> float:
+    """1.0 when the response's final answer equals the label numerically (relative tolerance 1e-6)."""
+    if sample.label is None:
+        raise ValueError(f"math reward needs a label (--label-key); sample {sample.index} has none")
+    expected = final_answer(str(sample.label))
+    if expected is None:
+        raise ValueError(f"math reward: label {sample.label!r} of sample {sample.index} holds no number")
+    answer = final_answer(sample.response or "")
+    return float(answer is not None and math.isclose(answer, expected, rel_tol=1e-6, abs_tol=1e-9))
+
+
+@hookimpl
+def slime_rollout_functions() -> Iterable[RolloutFunctionSpec]:
+    from slime.rollout.fully_async_rollout import generate_rollout_fully_async
+    from slime.rollout.sglang_rollout import generate_rollout
+
+    return [
+        RolloutFunctionSpec("sglang", generate_rollout, "async HTTP client of SGLang-protocol engines (default)"),
+        RolloutFunctionSpec(
+            "fully-async", generate_rollout_fully_async, "background generation that overlaps training steps"
+        ),
+    ]
+
+
+@hookimpl
+def slime_data_sources() -> Iterable[DataSourceSpec]:
+    from slime.data.data_source import RolloutDataSourceWithBuffer
+
+    return [DataSourceSpec("prompts", RolloutDataSourceWithBuffer, "--prompt-data JSONL/Parquet with a buffer")]
+
+
+@hookimpl
+def slime_batch_filters() -> Iterable[BatchFilterSpec]:
+    return [BatchFilterSpec("nonzero-std", nonzero_std, "drop groups whose rewards have zero variance")]
+
+
+@hookimpl
+def slime_reward_functions() -> Iterable[RewardFunctionSpec]:
+    return [
+        RewardFunctionSpec("exact-match", exact_match, "response equals the label"),
+        RewardFunctionSpec("math", math_reward, "last number or \\boxed{} answer equals the label numerically"),
+    ]

@@ -1,0 +1,261 @@
+"""The rollout manager's lifecycle and boundaries, the serving cluster, the engine lock and metrics tracking."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+
+from slime.observability import logging_utils
+from slime.plugin_manager import PluginError
+from slime.ray import rollout, serving
+from slime.rollout.base_types import RolloutFnTrainOutput
+from slime.utils.types import Sample
+
+Manager = rollout.RolloutManager.__ray_metadata__.modified_class
+Cluster = serving.ServingCluster.__ray_metadata__.modified_class
+
+
+def _bare_manager(args, **fields):
+    manager = object.__new__(Manager)
+    manager.args = args
+    manager.serving = None
+    manager.servers = {}
+    manager.rollout_id = -1
+    for name, value in fields.items():
+        setattr(manager, name, value)
+    return manager
+
+
+def test_dispose_runs_every_step_in_order_and_reports_the_first_failure(monkeypatch):
+    calls = []
+    controller = SimpleNamespace(close=SimpleNamespace(remote=lambda: calls.append("controller_close")))
+
+    def failing_close():
+        calls.append("source_close")
+        raise OSError("source broke")
+
+    from slime.data import transport
+
+    args = SimpleNamespace(rollout_data_transport="straw")
+    manager = _bare_manager(
+        args,
+        data_source=SimpleNamespace(close=failing_close),
+        controller=controller,
+        _owns_controller=True,
+        _launched_servers=False,
+    )
+    monkeypatch.setattr(rollout.ray, "get", lambda value, **kw: value)
+    monkeypatch.setattr(rollout.ray, "kill", lambda handle, **kw: calls.append(("kill", kw)))
+    monkeypatch.setattr(transport, "seal_rollout_store", lambda _: calls.append("seal"))
+    monkeypatch.setattr(rollout.logging_utils, "finish_tracking", lambda _: calls.append("finish"))
+    with pytest.raises(RuntimeError, match="cleanup failed: source broke"):
+        manager.dispose()
+    assert calls == ["source_close", "controller_close", ("kill", {"no_restart": True}), "seal", "finish"]
+
+
+def test_borrowed_controller_is_never_closed(monkeypatch):
+    calls = []
+    controller = SimpleNamespace(close=SimpleNamespace(remote=lambda: calls.append("controller_close")))
+    manager = _bare_manager(
+        SimpleNamespace(), data_source=object(), controller=controller, _owns_controller=False, _launched_servers=False
+    )
+    monkeypatch.setattr(rollout.logging_utils, "finish_tracking", lambda _: calls.append("finish"))
+    manager.dispose()
+    assert calls == ["finish"]
+
+
+def test_recovery_without_serving_skips_the_first_step():
+    calls = []
+    server = SimpleNamespace(update_weights=True, recover=lambda: calls.append("recover"))
+    manager = _bare_manager(SimpleNamespace(), servers={"model": server})
+    manager.recover_updatable_engines()
+    assert calls == []
+    manager.rollout_id = 3
+    manager.recover_updatable_engines()
+    assert calls == ["recover"]
+
+
+def test_serving_cluster_checks_monitors_at_the_rollout_boundary():
+    events = []
+    monitor = SimpleNamespace(
+        pause=lambda: events.append("pause"), check_once=lambda: events.append("check"), resume=lambda: None
+    )
+    cluster = object.__new__(Cluster)
+    cluster.servers = {"model": SimpleNamespace(update_weights=True, all_engines=[object()])}
+    cluster._health_monitors = [monitor]
+    assert cluster.finish_rollout() is cluster.servers
+    assert events == ["pause", "check"]
+    assert cluster.recover_updatable_engines() is cluster.servers
+
+
+def test_rollout_server_relaunches_only_missing_engines():
+    launches = []
+
+    def launcher(args, count):
+        launches.append(count)
+        return [f"http://engine-{len(launches)}-{i}" for i in range(count)]
+
+    server = serving.RolloutServer.launch(SimpleNamespace(), launcher, 2)
+    assert server.urls == ["http://engine-1-0", "http://engine-1-1"] and server.num_new_engines == 2
+    assert server.url == "http://engine-1-0"
+    server.all_engines[1] = None
+    server.recover()
+    assert launches == [2, 1]
+    assert server.urls == ["http://engine-1-0", "http://engine-2-0"] and server.num_new_engines == 1
+    server.recover()
+    assert launches == [2, 1] and server.num_new_engines == 0
+
+
+def test_manager_without_a_registered_engine_fails_clearly():
+    args = SimpleNamespace(rollout_engine="no-such-engine", debug_train_only=False)
+    with pytest.raises(PluginError, match="No rollout engine named 'no-such-engine'"):
+        Manager(args, None)
+
+
+def test_in_memory_rollout_data_is_flattened_with_metrics():
+    groups = [[Sample(index=0, tokens=[1]), Sample(index=1, tokens=[2])], [Sample(index=2, tokens=[3])]]
+    manager = _bare_manager(
+        SimpleNamespace(load_debug_rollout_data=None),
+        data_source=object(),
+        batch_builder=SimpleNamespace(),
+        generate_rollout=lambda *a, **kw: RolloutFnTrainOutput(samples=groups, metrics={"m": 1}),
+    )
+    samples, metrics = manager._get_rollout_data(0)
+    assert [s.index for s in samples] == [0, 1, 2] and metrics == {"m": 1}
+    manager.generate_rollout = lambda *a, **kw: 42
+    with pytest.raises(TypeError, match="Unsupported rollout output"):
+        manager._get_rollout_data(0)
+
+
+class _WeightEngine(BaseHTTPRequestHandler):
+    version = "0"
+    fail = False
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, status, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send(200, {"weight_version": type(self).version})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if type(self).fail:
+            return self._send(400, {"success": False, "message": "bad weights"})
+        type(self).version = body["weight_version"]
+        self._send(200, {"success": True})
+
+
+def test_disk_weight_update_reaches_engines_and_versions_are_checked():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _WeightEngine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        manager = _bare_manager(
+            SimpleNamespace(), servers={"model": SimpleNamespace(urls=[url])}, weight_version=0, train_actors={}
+        )
+        assert manager.register_training_actors("actor", ["h"]) == {
+            "update_weight_start_version": 0,
+            "rollout_engine_urls": [url],
+        }
+        manager.update_weights_from_disk("/tmp/weights", "5")
+        assert manager.get_weight_version() == 5
+        _WeightEngine.version = "latest"
+        with pytest.raises(RuntimeError, match="non-numeric weight version"):
+            manager.get_weight_version()
+        _WeightEngine.fail = True
+        with pytest.raises(RuntimeError, match="update_weights_from_disk failed \\(400\\)"):
+            manager.update_weights_from_disk("/tmp/weights", "6")
+    finally:
+        _WeightEngine.fail = False
+        server.shutdown()
+        server.server_close()
+
+
+def test_engine_lock_acquire_release():
+    lock = rollout.Lock.__ray_metadata__.modified_class()
+    assert lock.acquire() and lock.locked()
+    assert not lock.acquire(timeout=0.01)
+    lock.release()
+    with pytest.raises(RuntimeError, match="released while not held"):
+        lock.release()
+
+
+def test_metrics_are_json_lines_under_the_metrics_dir(tmp_path):
+    args = SimpleNamespace(metrics_dir=str(tmp_path / "metrics"), reward_key=None)
+    logging_utils.init_tracking(args)
+    samples = [Sample(reward=1.0, response_length=4), Sample(reward=0.0, response_length=2)]
+    logging_utils.log_rollout_data(3, args, samples, {"custom": 7}, 1.5)
+    logging_utils.log_eval_rollout_data(3, args, {"gsm": {"rewards": [1, 0, 1, 0]}}, None)
+    logging_utils.finish_tracking(args)
+    lines = [json.loads(line) for line in (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0]["step"] == 3 and lines[0]["rollout/reward"] == 0.5 and lines[0]["rollout/response_length"] == 3
+    assert lines[0]["custom"] == 7 and lines[0]["rollout/time"] == 1.5
+    assert lines[1]["eval/gsm"] == 0.5
+    no_dir = SimpleNamespace()
+    logging_utils.init_tracking(no_dir)
+    logging_utils.log_rollout_data(0, no_dir, samples, None, 0.0)
+    logging_utils.finish_tracking(no_dir)
+
+
+class _Source:
+    def __init__(self, args):
+        self.args = args
+
+
+def test_attached_manager_publishes_engine_urls_without_mutating_args():
+    from slime.ray.serving import ServingDeployment
+
+    args = SimpleNamespace(data_source_path=f"{__name__}._Source", rollout_function_path="sglang")
+    original = vars(args).copy()
+    deployment = ServingDeployment(
+        placements={},
+        servers={"model": SimpleNamespace(urls=["http://a", "http://b"])},
+        controller=None,
+        restore_plan=None,
+        routers={},
+        engine_lock="lock",
+    )
+    manager = Manager(args, None, deployment=deployment)
+    assert vars(args) == original
+    assert manager.args.rollout_engine_urls == ["http://a", "http://b"]
+    assert manager.data_source.args is manager.args and manager.rollout_engine_lock == "lock"
+    assert manager.batch_builder.controller is None
+
+
+def test_failed_construction_closes_the_controller_it_created(monkeypatch, tmp_path):
+    from slime.data import queue_data_source
+
+    calls = []
+    handle = SimpleNamespace(close=SimpleNamespace(remote=lambda: calls.append("close")))
+    args = SimpleNamespace(
+        rollout_data_transport="straw",
+        rollout_data_dir=str(tmp_path),
+        debug_train_only=True,
+        data_source_path="source",
+        rollout_function_path="missing.rollout",
+    )
+
+    def load(path):
+        if path == "source":
+            return _Source
+        raise ModuleNotFoundError(f"Cannot import 'missing' to load {path!r}")
+
+    monkeypatch.setattr(rollout, "check_rollout_storage", lambda _: None)
+    monkeypatch.setattr(rollout, "load_function", load)
+    monkeypatch.setattr(queue_data_source, "create_queue_controller", lambda *a, **kw: handle)
+    monkeypatch.setattr(rollout.ray, "get", lambda value, **kw: value)
+    monkeypatch.setattr(rollout.ray, "kill", lambda h, **kw: calls.append(("kill", h is handle)))
+    with pytest.raises(ModuleNotFoundError, match="missing.rollout"):
+        Manager(args, None)
+    assert calls == ["close", ("kill", True)]
