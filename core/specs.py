@@ -34,11 +34,14 @@ class TransportSpec(ProvidedSpec):
     `put_shard`: for in-memory transports, how one data-parallel rank's dict enters the object store
     (`target` is unused for them and may be None).
     `checkpoint_policy`: the name of the checkpoint policy a run on this transport uses by default.
+    `data_source`: the data source a run on this transport uses when `--data-source-path` is not given
+    (a durable transport needs a source whose state the joint checkpoint can bind).
     """
 
     durable: bool = False
     put_shard: Callable[[dict], Any] | None = None
     checkpoint_policy: str = "plain"
+    data_source: str = "prompts"
 
 
 @dataclass(frozen=True)

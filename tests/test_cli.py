@@ -16,14 +16,14 @@ def test_help_explains_plugins_and_transport():
     result = _run("--help")
     assert result.returncode == 0
     assert "--plugin NAME" in result.stdout and "--rollout-data-transport" in result.stdout
-    assert "resumes from its last joint checkpoint" in result.stdout
+    assert "resumes from its last joint checkpoint" in " ".join(result.stdout.split())
 
 
 def test_plugins_lists_builtins_with_what_they_provide(capsys):
     assert main(["plugins", "--disable-plugin-autoload"]) == 0
     out = capsys.readouterr().out
     assert "straw  [slime-rl" in out and "transports: straw" in out
-    assert "hooks: slime_cli_defaults, slime_transports" in out
+    assert "hooks: slime_cli_defaults, slime_data_sources, slime_transports" in out
 
 
 def test_unknown_plugin_is_a_clear_error(capsys):

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from slime import hookimpl
-from slime.specs import TransportSpec
+from slime.specs import DataSourceSpec, TransportSpec
 
 
 @hookimpl
@@ -24,6 +24,20 @@ def slime_transports() -> Iterable[TransportSpec]:
             "Durable straw-queue pool on a shared filesystem; survives crashes, resumable, replayable",
             durable=True,
             checkpoint_policy="joint",
+            data_source="queue",
+        )
+    ]
+
+
+@hookimpl
+def slime_data_sources() -> Iterable[DataSourceSpec]:
+    from slime.data.queue_data_source import QueueDataSource
+
+    return [
+        DataSourceSpec(
+            "queue",
+            QueueDataSource,
+            "Prompts as durable queue tasks with leases; its cursor and pending work are part of joint checkpoints",
         )
     ]
 

@@ -75,7 +75,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--sglang-server-concurrency", type=int, default=64)
     rollout.add_argument("--rollout-function-path", default="sglang", help="registered name or dotted path")
     rollout.add_argument("--eval-function-path", default=None)
-    rollout.add_argument("--data-source-path", default="prompts", help="registered name or dotted path")
+    rollout.add_argument(
+        "--data-source-path", default=None, help="registered name or dotted path (default: the transport's data source)"
+    )
     rollout.add_argument("--custom-generate-function-path", default=None)
     rollout.add_argument("--rm-type", default=None, help="registered reward function name")
     rollout.add_argument("--custom-rm-path", default=None)
@@ -146,6 +148,13 @@ def build_parser(pm: Any = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _explicit_options(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> frozenset[str]:
+    """The destinations the user gave on the command line (so plugins only fill in the rest)."""
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return frozenset(vars(parser.parse_args(argv)))
+
+
 def parse_args(argv: Sequence[str] | None = None, *, return_restore_plan: bool = False) -> Any:
     """Parse a run's command line with its plugins; optionally resolve the checkpoint to restore."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -160,6 +169,7 @@ def parse_args(argv: Sequence[str] | None = None, *, return_restore_plan: bool =
         logger.info("plugin %s sets default --%s=%r", plugin, dest.replace("_", "-"), value)
     parser.set_defaults(**{dest: value for dest, (_, value) in defaults.items()})
     args = parser.parse_args(argv)
+    args.explicit_options = _explicit_options(build_parser(pm), argv)
     args.plugin_selection = selection
     args.plugin_defaults = {dest: plugin for dest, (plugin, _) in defaults.items()}
     if args.rollout_data_transport not in registry.kinds["transports"]:
