@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import pluggy
+
 from slime.specs import (
     BatchFilterSpec,
     CheckpointPolicySpec,

@@ -21,6 +21,7 @@ from types import ModuleType
 from typing import Any
 
 import pluggy
+
 from slime import hookspecs
 from slime.specs import SPEC_KINDS, ProvidedSpec
 
@@ -28,6 +29,11 @@ PROJECT = "slime"
 DISTRIBUTION = "slime-rl"
 ENV_PLUGINS = "SLIME_PLUGINS"
 ENV_DISABLE_AUTOLOAD = "SLIME_DISABLE_PLUGIN_AUTOLOAD"
+#: Built-ins a run cannot do without; `-p no:NAME` of one of them is refused.
+ESSENTIAL_PLUGINS = {
+    "object_store": "it provides the default transport, object-store",
+    "checkpoint_policies": "it provides the checkpoint policies every run saves through",
+}
 
 
 class PluginError(RuntimeError):
@@ -52,6 +58,9 @@ class PluginSelection:
         blocked = tuple(dict.fromkeys(n[3:] for n in names if n.startswith("no:")))
         if clash := set(wanted) & set(blocked):
             raise PluginError(f"Plugins both requested and blocked: {', '.join(sorted(clash))}")
+        for name in blocked:
+            if name in ESSENTIAL_PLUGINS:
+                raise PluginError(f"Cannot block built-in plugin {name!r} with -p no:{name}: {ESSENTIAL_PLUGINS[name]}")
         autoload = not (disable_autoload or os.environ.get(ENV_DISABLE_AUTOLOAD))
         return cls(plugins=wanted, blocked=blocked, autoload=autoload)
 
@@ -100,11 +109,15 @@ def build_plugin_manager(selection: PluginSelection | None = None) -> pluggy.Plu
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
+            if exc.name is None or not name.startswith(exc.name):
+                raise PluginError(f"Plugin {name!r} failed to import: {exc}") from exc
             available = ", ".join(sorted(entry_points)) or "none"
             raise PluginError(
                 f"Unknown plugin {name!r}: not an installed entry point of group 'slime' ({available}) "
                 f"and not an importable module. Install its package (pip install ...) or fix the name."
             ) from exc
+        except Exception as exc:
+            raise PluginError(f"Plugin {name!r} failed to import: {type(exc).__name__}: {exc}") from exc
         pm.register(module, name=name)
     pm.check_pending()
     return pm

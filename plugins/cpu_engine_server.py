@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+
 from slime.plugins.cpu_engine_core import CPUEngine, EngineScheduler, RequestError, parse_generate_body
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from slime import hookimpl
 from slime.plugins import torch_checkpoint as ckpt
 from slime.plugins.torch_losses import grpo_advantages, kl_penalty, masked_mean, pad_right, policy_loss, token_log_probs

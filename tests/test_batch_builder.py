@@ -85,8 +85,13 @@ def test_replayed_begin_before_conversion_reuses_plan_and_writes_nothing(durable
         builder.training_completed(5)
     builder.training_completed(0)
     assert controller.training_state()["processed_cursor"] == 2
+    original_layout = builder.train_parallel_config
     builder.train_parallel_config = {"dp_size": 4}
-    with pytest.raises(ValueError, match="different selection or conversion plan"):
+    with pytest.raises(ValueError, match=r"different selection or conversion plan.*parallel layout"):
+        builder.begin(samples)
+    builder.train_parallel_config = original_layout
+    args.global_batch_size = (args.global_batch_size or 0) + 2
+    with pytest.raises(ValueError, match=r"--global-batch-size \(\d+ -> \d+\)"):
         builder.begin(samples)
 
 

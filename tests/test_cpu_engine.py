@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+
 from slime.plugins.tiny_model import MARKER_FILE, ensure_tiny_model, is_tiny_model_dir
 
 
@@ -238,8 +239,9 @@ def test_invalid_json_is_rejected(client):
 def test_weight_update_from_disk_changes_outputs_and_version(model_dir, tmp_path):
     import torch
     from safetensors.torch import save_file
-    from slime.plugins.cpu_engine_server import EngineServer
     from transformers import AutoModelForCausalLM
+
+    from slime.plugins.cpu_engine_server import EngineServer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     with torch.no_grad():
@@ -348,6 +350,7 @@ def test_sglang_router_in_front_of_two_engines(model_dir, server):
 @pytest.mark.slow
 def test_launch_cpu_engines_on_ray(model_dir):
     import ray
+
     from slime.plugins.cpu_engine import launch_cpu_engines
 
     ray.init(num_cpus=2, include_dashboard=False)

@@ -11,6 +11,7 @@ import types
 from pathlib import Path
 
 import pytest
+
 from slime import hookimpl, hookspecs
 from slime.plugin_manager import (
     PluginError,
@@ -103,6 +104,21 @@ def test_misspelled_hook_fails_at_startup(clean_modules):
 def test_unknown_plugin_name_says_how_to_fix():
     with pytest.raises(PluginError, match="Unknown plugin 'no_such_plugin_xyz'.*pip install"):
         build_plugin_manager(PluginSelection(plugins=("no_such_plugin_xyz",)))
+
+
+def test_plugin_whose_import_fails_is_reported_with_its_error(tmp_path, monkeypatch):
+    (tmp_path / "fake_slime_plugin_broken.py").write_text("import no_such_dependency_xyz\n")
+    (tmp_path / "fake_slime_plugin_raises.py").write_text("raise RuntimeError('bad config')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError, match="'fake_slime_plugin_broken' failed to import: No module named 'no_such_dep"):
+        build_plugin_manager(PluginSelection(plugins=("fake_slime_plugin_broken",)))
+    with pytest.raises(PluginError, match="'fake_slime_plugin_raises' failed to import: RuntimeError: bad config"):
+        build_plugin_manager(PluginSelection(plugins=("fake_slime_plugin_raises",)))
+
+
+def test_blocking_an_essential_builtin_is_refused():
+    with pytest.raises(PluginError, match="Cannot block built-in plugin 'checkpoint_policies'"):
+        PluginSelection.from_cli(["no:checkpoint_policies"])
 
 
 def test_selection_from_cli_and_environment(monkeypatch):

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from slime.plugins import torch_checkpoint as ckpt
 from slime.plugins.torch_backend import TorchTrainRayActor
 from slime.plugins.torch_losses import grpo_advantages, kl_penalty, masked_mean, policy_loss

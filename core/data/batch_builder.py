@@ -91,6 +91,23 @@ def _take(values: Any, indices: list[int]) -> Any:
     return [values[i] for i in indices]
 
 
+def _plan_changes(stored: dict, identity: dict) -> str:
+    """Name what differs between a stored batch plan and the one being made (for the mismatch error)."""
+    changes = []
+    if stored.get("raw_digest") != identity["raw_digest"]:
+        changes.append("the accepted raw rollout")
+    for key, label in (("sample_indices", "the selected samples"), ("rollout_ids", "the samples' rollout ids")):
+        if stored.get(key) != identity[key]:
+            changes.append(label)
+    stored_config = stored.get("configuration") or {}
+    for name, value in identity["configuration"].items():
+        if stored_config.get(name) != value:
+            changes.append(f"--{name.replace('_', '-')} ({stored_config.get(name)!r} -> {value!r})")
+    if stored.get("parallel") != identity["parallel"]:
+        changes.append(f"the parallel layout ({stored.get('parallel')!r} -> {identity['parallel']!r})")
+    return ", ".join(changes) or "the plan format"
+
+
 class BatchBuilder:
     """Plans, converts and shards one training batch per rollout step (see the module docstring)."""
 
@@ -153,7 +170,7 @@ class BatchBuilder:
             if not replay and stored["digest"] != identity["digest"]:
                 raise ValueError(
                     f"An existing batch ID cannot be reused with a different selection or conversion plan "
-                    f"({self.batch_id}: the samples, batch arguments or parallel layout changed since it was planned)"
+                    f"({self.batch_id}; changed since it was planned: {_plan_changes(stored, identity)})"
                 )
             self._lease = existing["lease"]
             if existing["ready"]:
