@@ -1,0 +1,101 @@
+"""A job killed (SIGKILL) at any point of the joint save sequence resumes from the last complete commit."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from slime.data.checkpoint import committed_steps, resolve_checkpoint
+
+# Runs in a child process: commits step 0 completely, then saves step 1 and kills itself at `point`.
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    from types import SimpleNamespace
+    import ray
+    from slime.data.checkpoint import save_checkpoint
+
+    root, point = Path(sys.argv[1]), sys.argv[2]
+    ray.get = lambda value, **kw: value
+
+    def die(where, step):
+        if step == 1 and point == where:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    class Model:
+        def __init__(self, save, name):
+            self.args = SimpleNamespace(save=str(save))
+            self.save, self.name = save, name
+        def save_model(self, step, force_sync=False):
+            directory = self.save / f"iter_{step:07d}"
+            directory.mkdir(parents=True)
+            (directory / "weights.pt").write_bytes(os.urandom(64))
+            (self.save / "latest_checkpointed_iteration.txt").write_text(str(step))
+            die(f"after_{self.name}", step)
+
+    class Remote:
+        def __init__(self, fn):
+            self.remote = fn
+
+    def save_rollout(step):
+        (root / "rollout").mkdir(exist_ok=True)
+        for name in ("queue_state", "builder_state"):
+            (root / f"rollout/{name}_{step}.json").write_text("{}")
+        die("after_rollout", step)
+
+    def committed(step):
+        die("after_marker", step)
+
+    manager = SimpleNamespace(
+        save=Remote(save_rollout),
+        get_weight_version=Remote(lambda: 1),
+        checkpoint_committed=Remote(committed),
+    )
+    args = SimpleNamespace(
+        rollout_data_transport="straw", release_train=False, num_rollout=10, use_critic=True,
+        debug_train_only=False, debug_rollout_only=False, save=str(root), rollout_data_dir=str(root / "pool"),
+    )
+    actor, critic = Model(root, "actor"), Model(root / "critic", "critic")
+    for step in (0, 1):
+        save_checkpoint(args, step, actor, critic, manager, actor_trains=True)
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("point", "expected"),
+    [("after_actor", 0), ("after_critic", 0), ("after_rollout", 0), ("after_marker", 1), ("never", 1)],
+)
+def test_kill_during_save_resumes_from_last_complete_marker(tmp_path, point, expected):
+    root = tmp_path / "run"
+    child = subprocess.run([sys.executable, "-c", CHILD, str(root), point], capture_output=True, text=True, timeout=120)
+    if point == "never":
+        assert child.returncode == 0, child.stderr
+    else:
+        assert child.returncode == -signal.SIGKILL, child.stderr
+    assert committed_steps(root) == list(range(expected + 1))
+    before = sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    args = SimpleNamespace(
+        rollout_data_transport="straw",
+        save=str(root),
+        load=str(root),
+        ckpt_step=None,
+        start_rollout_id=None,
+        rollout_data_dir=None,
+    )
+    args, plan = resolve_checkpoint(args)
+    # The selected step is the last complete marker, restored into a fresh branch: nothing of the
+    # interrupted step (its model directory, its rollout state) is read or reused.
+    assert plan.mode == "snapshot" and plan.branch["parent"]["step"] == expected
+    assert args.ckpt_step == expected and args.start_rollout_id == expected + 1
+    assert Path(args.save).parent == root / "branches" and not Path(args.save).exists()
+    assert json.loads((root / f"rollout/committed_{expected}.json").read_text())["rollout_id"] == expected
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == before, "resolution changed the disk"
