@@ -3,7 +3,7 @@
 Sessions reuse the torch already installed on the machine (venvs see system site packages), so no
 session ever downloads a CUDA build of torch: install it first with `pip install torch==2.13.0`.
 
-    nox                      lint + tests (the CI default)
+    nox                      lint + tests + e2e (the CI default)
     nox -s "transport(straw)"  the transport conformance suite for one transport (object-store, nixl, straw)
     nox -s e2e               end-to-end CPU runs (slow)
     nox -s bench             benchmarks/ (writes a JSON report)
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import nox
 
-nox.options.sessions = ["lint", "tests"]
+nox.options.sessions = ["lint", "tests", "e2e"]
 nox.options.reuse_existing_virtualenvs = True
 
 VENV = {"venv_backend": "venv", "venv_params": ["--system-site-packages"]}

@@ -131,6 +131,15 @@ def slime_reward_functions() -> Iterable[RewardFunctionSpec]:
 
 
 @hookspec
+def slime_run_start(args: argparse.Namespace) -> None:
+    """Prepare what a run needs on disk (build a model, write prompts) before Ray starts.
+
+    Called once by `slime-run` after checkpoint resolution. `slime_configure` must stay free of side
+    effects (tools and tests parse arguments without running); do file work here.
+    """
+
+
+@hookspec
 def slime_after_rollout(args: argparse.Namespace, rollout_id: int, metrics: dict[str, Any]) -> None:
     """Observer: a rollout step's data was generated and accepted. Called by the driver; results ignored."""
 

@@ -27,6 +27,7 @@ from typing import Any
 import ray
 
 from slime.data.checkpoint import save_checkpoint
+from slime.data.transport import resolve_rollout_data_dir, use_straw
 from slime.observability.logging_utils import configure_logger, finish_tracking, init_tracking
 from slime.ray.placement_group import create_placement_groups, create_rollout_manager, create_training_models
 from slime.utils.arguments import parse_args
@@ -136,8 +137,12 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line, start the run on Ray, train, and tear the run down."""
-    args, restore_plan = parse_args(argv, return_restore_plan=True)
     configure_logger()
+    args, restore_plan = parse_args(argv, return_restore_plan=True)
+    if use_straw(args):
+        # Resolve the pool once here so the joint commit records it and every actor sees the same path.
+        resolve_rollout_data_dir(args)
+    _Observers(args).call("slime_run_start", args=args)
     if not ray.is_initialized():
         ray.init()
     init_tracking(args)

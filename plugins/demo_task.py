@@ -19,28 +19,34 @@ from slime import hookimpl
 from slime.specs import RewardFunctionSpec
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+#: The demo's targets: with a random 60-symbol tiny model, full-alphabet targets almost never earn reward.
+DEMO_ALPHABET = "ab"
 PROMPT_TEMPLATE = "copy: {target} ="
 
 
-def demo_prompt_rows(count: int, *, seed: int, min_len: int = 2, max_len: int = 4) -> list[dict[str, str]]:
-    """`count` deterministic prompt rows `{"input", "label"}`."""
+def demo_prompt_rows(
+    count: int, *, seed: int, min_len: int = 2, max_len: int = 4, alphabet: str = ALPHABET
+) -> list[dict[str, str]]:
+    """`count` deterministic prompt rows `{"input", "label"}` with targets drawn from `alphabet`."""
     if count <= 0:
         raise ValueError(f"count must be positive, got {count}")
+    if not alphabet:
+        raise ValueError("alphabet must not be empty")
     rng = random.Random(seed)
     rows = []
     for _ in range(count):
-        target = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(min_len, max_len)))
+        target = "".join(rng.choice(alphabet) for _ in range(rng.randint(min_len, max_len)))
         rows.append({"input": PROMPT_TEMPLATE.format(target=target), "label": target})
     return rows
 
 
-def write_demo_prompts(path: str | os.PathLike, count: int = 256, *, seed: int = 0) -> Path:
+def write_demo_prompts(path: str | os.PathLike, count: int = 256, *, seed: int = 0, alphabet: str = ALPHABET) -> Path:
     """Write the demo prompts as JSONL (atomically: a temp file, fsync, rename); return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     with open(partial, "w", encoding="utf-8") as handle:
-        for row in demo_prompt_rows(count, seed=seed):
+        for row in demo_prompt_rows(count, seed=seed, alphabet=alphabet):
             handle.write(json.dumps(row) + "\n")
         handle.flush()
         os.fsync(handle.fileno())

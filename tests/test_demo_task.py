@@ -35,3 +35,10 @@ def test_reward_is_registered():
     assert registry_for(None).get("reward_functions", "copy").target is copy_reward
     with pytest.raises(ValueError, match="positive"):
         demo_prompt_rows(0, seed=0)
+
+
+def test_alphabet_restricts_targets():
+    rows = demo_prompt_rows(32, seed=1, alphabet="ab")
+    assert set("".join(row["label"] for row in rows)) <= {"a", "b"}
+    with pytest.raises(ValueError, match="alphabet"):
+        demo_prompt_rows(1, seed=0, alphabet="")

@@ -280,3 +280,19 @@ def test_third_party_plugin_installs_with_pip_and_loads(tmp_path):
     )
     out = subprocess.run([str(python), "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.split() == ["3", "1.0"]
+
+
+def test_data_source_defaults_to_the_transports_own(monkeypatch):
+    monkeypatch.delenv("SLIME_PLUGINS", raising=False)
+    assert (
+        parse_args(["--rollout-data-transport", "straw", "--hf-checkpoint", "m", "--prompt-data", "p"]).data_source_path
+        == "queue"
+    )
+    assert parse_args(["--hf-checkpoint", "m", "--prompt-data", "p"]).data_source_path == "prompts"
+    given = parse_args(
+        ["-p", "straw", "--data-source-path", "pkg.Source", "--hf-checkpoint", "m", "--prompt-data", "p"]
+    )
+    assert given.data_source_path == "pkg.Source"
+    from slime.data.queue_data_source import QueueDataSource
+
+    assert load_function("queue") is QueueDataSource

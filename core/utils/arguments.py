@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from slime.plugin_manager import PluginSelection, build_plugin_manager, collect_registry, named_plugin_defaults
@@ -177,9 +178,13 @@ def parse_args(argv: Sequence[str] | None = None, *, return_restore_plan: bool =
         parser.error(
             f"--rollout-data-transport {args.rollout_data_transport!r} is not provided by any plugin ({available})"
         )
+    if args.data_source_path is None:
+        args.data_source_path = registry.get("transports", args.rollout_data_transport).data_source
     if args.rollout_data_compression == "none":
         args.rollout_data_compression = None
     pm.hook.slime_configure(args=args)
+    if args.update_weight_transport == "disk" and args.update_weight_disk_dir is None and args.save:
+        args.update_weight_disk_dir = str(Path(args.save).expanduser().resolve() / "weights")
     if not return_restore_plan:
         return args
     from slime.data.checkpoint import resolve_checkpoint

@@ -1,0 +1,105 @@
+"""The embedded demo: `slime-run --plugin straw` with no model and no prompts runs a complete RL job on CPU.
+
+When the run names neither `--hf-checkpoint` nor `--prompt-data`, `slime_configure` fills in everything
+the job needs: the tiny model built once under `<save>/model`, the copy task's prompts written once to
+`<save>/prompts.jsonl`, the copy reward, two CPU engines, the torch backend, disk weight updates under
+`<save>/weights` and a checkpoint every few steps. Because the model and prompts live under `--save`,
+rerunning the same command finds them again and resumes from the last joint commit.
+
+Only options the user did not give on the command line (`args.explicit_options`) are changed, and each
+one that is set is logged. A run that names a model or prompts is left untouched. The model and the
+prompts are built in `slime_run_start`, so parsing arguments alone never writes files.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from slime import hookimpl
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SAVE_DIR = "./slime-run-output"
+DEMO_PROMPT_COUNT = 256
+DEMO_PROMPT_SEED = 0
+
+
+def is_demo_run(args: Any) -> bool:
+    """True when the run names neither a model (`--hf-checkpoint`) nor prompts (`--prompt-data`)."""
+    return getattr(args, "hf_checkpoint", None) is None and getattr(args, "prompt_data", None) is None
+
+
+def demo_settings(save_dir: Path) -> dict[str, Any]:
+    """The option values of the demo run saved under `save_dir` (before checking what the user gave);
+    `--global-batch-size` follows from the batch shape the run ends up with."""
+    return {
+        "hf_checkpoint": str(save_dir / "model"),
+        "prompt_data": str(save_dir / "prompts.jsonl"),
+        "input_key": "input",
+        "label_key": "label",
+        "rm_type": "copy",
+        "num_rollout": 20,
+        "rollout_batch_size": 8,
+        "n_samples_per_prompt": 4,
+        "save_interval": 5,
+        "rollout_engine": "cpu",
+        "rollout_num_engines": 2,
+        "train_backend": "torch",
+        "update_weight_transport": "disk",
+        "update_weight_disk_dir": str(save_dir / "weights"),
+        # Labels are 2-4 characters: a short budget keeps the over-length penalty from zeroing every reward.
+        "rollout_max_response_len": 4,
+        # The tiny model starts from random weights; at 1e-3 twenty steps barely move it.
+        "lr": 1e-2,
+    }
+
+
+def _set_default(args: Any, dest: str, value: Any) -> None:
+    """Set `args.<dest>` to `value` unless the user gave the option on the command line."""
+    if dest in getattr(args, "explicit_options", ()):
+        return
+    setattr(args, dest, value)
+    logger.info("demo sets --%s=%s", dest.replace("_", "-"), value)
+
+
+def configure_demo(args: Any) -> None:
+    """Turn a run without model and prompts into the demo (see the module docstring)."""
+    from slime.data.transport import use_straw
+
+    _set_default(args, "save", str(Path(DEFAULT_SAVE_DIR).resolve()))
+    args.save = str(Path(args.save).expanduser().resolve())
+    save_dir = Path(args.save)
+    for dest, value in demo_settings(save_dir).items():
+        _set_default(args, dest, value)
+    _set_default(args, "global_batch_size", args.rollout_batch_size * args.n_samples_per_prompt)
+    if use_straw(args):
+        # The pool lives under the logical save root, beside the model and prompts of the demo.
+        _set_default(args, "rollout_data_dir", str(save_dir / "rollout_data"))
+    args.demo_run = True
+
+
+def prepare_demo_files(args: Any) -> None:
+    """Build the tiny model and write the prompts once (reruns find them under `--save`)."""
+    from slime.plugins.demo_task import DEMO_ALPHABET, write_demo_prompts
+    from slime.plugins.tiny_model import ensure_tiny_model
+
+    model_dir = ensure_tiny_model(Path(args.hf_checkpoint))
+    logger.info("demo model: %s", model_dir)
+    prompts = Path(args.prompt_data)
+    if not prompts.exists():
+        write_demo_prompts(prompts, DEMO_PROMPT_COUNT, seed=DEMO_PROMPT_SEED, alphabet=DEMO_ALPHABET)
+        logger.info("demo prompts written to %s", prompts)
+
+
+@hookimpl
+def slime_configure(args: Any) -> None:
+    if is_demo_run(args):
+        configure_demo(args)
+
+
+@hookimpl
+def slime_run_start(args: Any) -> None:
+    if getattr(args, "demo_run", False):
+        prepare_demo_files(args)

@@ -1,0 +1,197 @@
+"""What a person running `slime-run` sees: a progress bar, metrics lines, a reward curve and a summary.
+
+Driven by the driver's lifecycle hooks. Rollout metrics (reward, time) are written to `<save>/metrics.jsonl`
+by the rollout manager (through `--metrics-dir`, which this plugin points at the logical `--save` directory:
+a resumed run saves into a new branch directory, and its lines must continue the same file). This plugin
+adds the trainers' metrics, step times and commits to that file, shows a tqdm bar over the run's steps
+(reward mean, step time, last commit), and at the last step draws `<save>/reward_curve.png` from every
+run's lines (a step trained again after a crash counts with its latest line) and prints where everything
+was written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from slime import hookimpl
+from slime.observability.logging_utils import log_metrics, metrics_path
+from slime.utils.misc import should_run_periodic_action
+
+logger = logging.getLogger(__name__)
+
+REWARD_KEY = "rollout/reward"
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Every complete JSON line of a metrics file (a torn last line of a killed run is skipped)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def reward_by_step(records: list[dict[str, Any]]) -> dict[int, float]:
+    """The reward mean of each step; when a step ran again after a resume, its latest value."""
+    rewards: dict[int, float] = {}
+    for record in records:
+        if REWARD_KEY in record:
+            rewards[int(record["step"])] = float(record[REWARD_KEY])
+    return dict(sorted(rewards.items()))
+
+
+def plot_reward_curve(rewards: dict[int, float], path: Path) -> Path:
+    """Draw reward mean over rollout steps as a PNG (matplotlib, Agg backend); return `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    axes.plot(list(rewards), list(rewards.values()), marker="o")
+    axes.set_xlabel("rollout step")
+    axes.set_ylabel("reward mean")
+    axes.set_title("slime-run: reward")
+    axes.grid(True, alpha=0.3)
+    figure.tight_layout()
+    partial = path.with_name(path.name + ".partial.png")
+    figure.savefig(partial, dpi=100)
+    plt.close(figure)
+    partial.replace(path)
+    return path
+
+
+class RunReport:
+    """The progress bar and the closing summary of one run (one per `--save` directory)."""
+
+    def __init__(self, args: Any) -> None:
+        from tqdm import tqdm
+
+        self.args = args
+        self.metrics_file = metrics_path(args)
+        start = getattr(args, "start_rollout_id", 0) or 0
+        self.bar = tqdm(
+            total=args.num_rollout, initial=start, desc="rollout", unit="step", file=sys.stderr, dynamic_ncols=True
+        )
+        self.step_started = time.monotonic()
+        self.last_commit: tuple[int, str] | None = None
+        self.postfix: dict[str, str] = {}
+        self.finished = False
+
+    def _show(self, refresh: bool) -> None:
+        self.bar.set_postfix_str(" ".join(f"{key}={value}" for key, value in self.postfix.items()), refresh=refresh)
+
+    def rollout_reward(self, rollout_id: int, metrics: dict[str, Any]) -> float | None:
+        if REWARD_KEY in metrics:
+            return float(metrics[REWARD_KEY])
+        if self.metrics_file is None:
+            return None
+        return reward_by_step(read_metrics(self.metrics_file)).get(rollout_id)
+
+    def after_rollout(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        reward = self.rollout_reward(rollout_id, metrics)
+        self.postfix["reward"] = "?" if reward is None else f"{reward:.3f}"
+        self._show(refresh=True)
+
+    def after_train_step(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        elapsed = time.monotonic() - self.step_started
+        self.step_started = time.monotonic()
+        train = {
+            key if "/" in key else f"train/{key}": value
+            for key, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
+        log_metrics(self.args, rollout_id, {**train, "perf/step_time": elapsed})
+        self.postfix["step_time"] = f"{elapsed:.1f}s"
+        self._show(refresh=False)
+        self.bar.update(1)
+        if rollout_id + 1 >= self.args.num_rollout and not self._checkpoint_due(rollout_id):
+            self.finish()
+
+    def checkpoint_committed(self, rollout_id: int, path: str) -> None:
+        self.last_commit = (rollout_id, path)
+        log_metrics(self.args, rollout_id, {"checkpoint/committed": rollout_id})
+        self.postfix["committed"] = str(rollout_id)
+        self._show(refresh=True)
+        if rollout_id + 1 >= self.args.num_rollout:
+            self.finish()
+
+    def _checkpoint_due(self, rollout_id: int) -> bool:
+        interval = getattr(self.args, "save_interval", None)
+        return bool(getattr(self.args, "save", None)) and (
+            getattr(self.args, "release_train", False)
+            or should_run_periodic_action(rollout_id, interval, None, self.args.num_rollout)
+        )
+
+    def finish(self) -> None:
+        """Close the bar, draw the reward curve and print where the run's outputs are."""
+        if self.finished:
+            return
+        self.finished = True
+        self.bar.close()
+        lines = ["", "slime-run finished"]
+        if self.metrics_file is not None:
+            rewards = reward_by_step(read_metrics(self.metrics_file))
+            lines.append(f"  metrics:      {self.metrics_file}")
+            if rewards:
+                curve = plot_reward_curve(rewards, self.metrics_file.parent / "reward_curve.png")
+                first, last = next(iter(rewards.values())), list(rewards.values())[-1]
+                lines.append(f"  reward curve: {curve}  (reward {first:.3f} -> {last:.3f})")
+        save = getattr(self.args, "save", None)
+        if save:
+            lines.append(f"  checkpoints:  {save}")
+        if self.last_commit is not None:
+            step = self.last_commit[0]
+            if step + 1 >= self.args.num_rollout:
+                hint = "complete; rerun with a larger --num-rollout to continue"
+            else:
+                hint = "rerun the same command to resume"
+            lines.append(f"  last commit:  step {step}  ({hint})")
+        if getattr(self.args, "hf_checkpoint", None):
+            lines.append(f"  model:        {self.args.hf_checkpoint}")
+        if getattr(self.args, "rollout_data_dir", None):
+            lines.append(f"  rollout data: {self.args.rollout_data_dir}")
+        print("\n".join(lines), flush=True)
+
+
+_reports: dict[str, RunReport] = {}
+
+
+@hookimpl(trylast=True)
+def slime_configure(args: Any) -> None:
+    """Keep one metrics file per logical `--save`: a resumed run writes to a new branch directory, and its lines
+    must continue the same reward log. Runs last, after plugins that choose `--save`."""
+    if getattr(args, "metrics_dir", None) is None and getattr(args, "save", None):
+        args.metrics_dir = str(Path(args.save).expanduser().resolve())
+
+
+def _report(args: Any) -> RunReport:
+    key = str(getattr(args, "save", None))
+    report = _reports.get(key)
+    if report is None or report.finished or report.args is not args:
+        report = _reports[key] = RunReport(args)
+    return report
+
+
+@hookimpl
+def slime_after_rollout(args: Any, rollout_id: int, metrics: dict[str, Any]) -> None:
+    _report(args).after_rollout(rollout_id, metrics)
+
+
+@hookimpl
+def slime_after_train_step(args: Any, rollout_id: int, metrics: dict[str, Any]) -> None:
+    _report(args).after_train_step(rollout_id, metrics)
+
+
+@hookimpl
+def slime_checkpoint_committed(args: Any, rollout_id: int, path: str) -> None:
+    _report(args).checkpoint_committed(rollout_id, path)

@@ -1,0 +1,210 @@
+"""The main job: the demo's configuration, its report, and `slime-run --plugin straw` end to end.
+
+The end-to-end tests start the real command in its own process group (its own local Ray instance) and judge
+the run from what it left on disk: joint commit markers, the batch builder's consumer records, the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slime.plugins.demo import prepare_demo_files
+from slime.plugins.demo_report import plot_reward_curve, read_metrics, reward_by_step
+from slime.utils.arguments import parse_args
+
+NUM_ROLLOUT = 4
+RUN_TIMEOUT_S = 240
+
+
+def _command(save: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "slime.cli",
+        "--plugin",
+        "straw",
+        "--num-rollout",
+        str(NUM_ROLLOUT),
+        "--save-interval",
+        "1",
+        "--save",
+        str(save),
+    ]
+
+
+def _start(save: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    handle = open(log, "ab")  # noqa: SIM115 - closed by the caller through the process
+    return subprocess.Popen(
+        _command(save), stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=save.parent, start_new_session=True
+    )
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=30)
+
+
+def _finish(process: subprocess.Popen, log: Path) -> None:
+    try:
+        returncode = process.wait(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _kill_group(process)
+        pytest.fail(f"slime-run did not finish in {RUN_TIMEOUT_S}s; log tail:\n{log.read_text()[-4000:]}")
+    # Ray's helper processes may outlive the driver in its session; never leave them running.
+    _kill_group(process)
+    assert returncode == 0, f"slime-run exited {returncode}; log tail:\n{log.read_text()[-4000:]}"
+
+
+def _branches(save: Path) -> list[Path]:
+    """The save root and every branch a rerun created under it, oldest first."""
+    branches = sorted((save / "branches").glob("*"), key=lambda p: (p / "rollout" / "branch.json").stat().st_mtime)
+    return [save, *branches]
+
+
+def _commits(save: Path) -> dict[int, Path]:
+    """Every joint commit of the run's branch chain, by step; a step committed twice is an error."""
+    commits: dict[int, Path] = {}
+    for branch in _branches(save):
+        for marker in (branch / "rollout").glob("committed_*.json"):
+            step = int(marker.stem.removeprefix("committed_"))
+            assert step not in commits, f"step {step} committed twice: {commits[step]} and {marker}"
+            commits[step] = marker
+    return dict(sorted(commits.items()))
+
+
+def _consumer_cursors(commits: dict[int, Path]) -> dict[Path, list[tuple[int, int]]]:
+    """Per branch, the training consumer's (fetch, processed) cursors recorded with its committed steps."""
+    cursors: dict[Path, list[tuple[int, int]]] = {}
+    for step, marker in commits.items():
+        record = json.loads(marker.read_text())
+        assert record["rollout_id"] == step and record["resumable"] is True
+        builder = json.loads((marker.parent / f"builder_state_{step}.json").read_text())
+        consumer = builder["consumer"]
+        cursors.setdefault(marker.parent, []).append((consumer["fetch_cursor"], consumer["processed_cursor"]))
+    return cursors
+
+
+def _rewards(save: Path) -> list[tuple[int, float]]:
+    lines = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [(line["step"], line["rollout/reward"]) for line in lines if "rollout/reward" in line]
+
+
+def _assert_trained_once(save: Path) -> None:
+    commits = _commits(save)
+    assert list(commits) == list(range(NUM_ROLLOUT)), f"committed steps are not contiguous: {list(commits)}"
+    strides = set()
+    for branch, cursors in _consumer_cursors(commits).items():
+        # At every commit the consumer has processed all it fetched (nothing half-trained is checkpointed) ...
+        assert all(fetch == processed for fetch, processed in cursors), (branch, cursors)
+        # ... and each committed step advanced the branch queue's training cursor by one step's worth of accepted
+        # positions, from the queue's origin (a resumed branch trains from a fork of its parent's last commit):
+        # a position trained twice would repeat a cursor, a lost one would make it jump.
+        processed = [p for _, p in cursors]
+        stride = processed[0]
+        assert stride > 0 and processed == [stride * (i + 1) for i in range(len(processed))], (branch, processed)
+        strides.add(stride)
+    assert len(strides) == 1, f"steps accepted different amounts of data: {strides}"
+
+
+def test_demo_configures_a_run_without_model_or_prompts(tmp_path: Path) -> None:
+    save = tmp_path / "out"
+    args = parse_args(["--plugin", "straw", "--save", str(save), "--num-rollout", "3", "--rollout-batch-size", "2"])
+    assert args.hf_checkpoint == str(save / "model") and args.prompt_data == str(save / "prompts.jsonl")
+    assert not save.exists(), "parsing arguments must not write files"
+    prepare_demo_files(args)
+    assert (save / "model" / "slime_tiny_model.json").exists() and (save / "prompts.jsonl").exists()
+    assert (args.input_key, args.label_key, args.rm_type) == ("input", "label", "copy")
+    assert args.num_rollout == 3 and args.rollout_batch_size == 2  # given explicitly: kept
+    assert args.global_batch_size == 2 * args.n_samples_per_prompt
+    assert args.save_interval == 5 and args.update_weight_disk_dir == str(save / "weights") and args.lr == 1e-2
+    assert args.rollout_data_dir == str(save / "rollout_data")
+    assert args.metrics_dir == str(save)
+
+    prompts = (save / "prompts.jsonl").stat().st_mtime_ns
+    again = parse_args(["--plugin", "straw", "--save", str(save)])
+    prepare_demo_files(again)
+    assert (save / "prompts.jsonl").stat().st_mtime_ns == prompts, "a rerun must reuse the demo prompts"
+    assert again.num_rollout == 20 and again.global_batch_size == 32
+
+
+def test_demo_leaves_a_users_run_alone(tmp_path: Path) -> None:
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"q": "x", "a": "y"}\n')
+    argv = ["--plugin", "straw", "--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", str(prompts)]
+    args = parse_args([*argv, "--rm-type", "copy", "--input-key", "q"])
+    assert args.save is None and args.num_rollout is None and args.label_key is None
+    assert args.update_weight_disk_dir is None and args.rollout_data_dir is None
+    assert not (tmp_path / "model").exists()
+
+
+def test_report_reads_torn_metrics_and_keeps_the_latest_reward_per_step(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [{"step": 0, "rollout/reward": 0.1}, {"step": 1, "rollout/reward": 0.2}, {"step": 1, "train/loss": 1.0}]
+    lines.append({"step": 1, "rollout/reward": 0.3})  # step 1 trained again after a resume
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 2, "rollout/rew')
+    records = read_metrics(metrics)
+    assert len(records) == 4
+    assert reward_by_step(records) == {0: 0.1, 1: 0.3}
+    curve = plot_reward_curve(reward_by_step(records), tmp_path / "reward_curve.png")
+    assert curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert read_metrics(tmp_path / "missing.jsonl") == []
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    save = tmp_path / "run"
+    log = tmp_path / "run.log"
+    _finish(_start(save, log), log)
+
+    _assert_trained_once(save)
+    steps = [step for step, _ in _rewards(save)]
+    assert steps == list(range(NUM_ROLLOUT))
+    assert (save / "reward_curve.png").stat().st_size > 0
+    assert (save / "model" / "slime_tiny_model.json").exists()
+    output = log.read_text()
+    assert "slime-run finished" in output and str(save / "reward_curve.png") in output
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_killed_demo_resumes_from_last_joint_commit(tmp_path: Path) -> None:
+    save = tmp_path / "run"
+    log = tmp_path / "run.log"
+    first = _start(save, log)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not list((save / "rollout").glob("committed_*.json")):
+        assert first.poll() is None, f"first run ended before its first commit:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, "no joint commit appeared in time"
+        time.sleep(0.2)
+    _kill_group(first)
+    committed_before = sorted(_commits(save))
+    last = committed_before[-1]
+    assert last < NUM_ROLLOUT - 1, "the kill came too late to test a resume"
+    rewards_before = _rewards(save)[: last + 1]
+
+    _finish(_start(save, log), log)
+
+    _assert_trained_once(save)
+    rewards = _rewards(save)
+    assert rewards[: last + 1] == rewards_before, "the rerun rewrote the first run's committed reward log"
+    steps = [step for step, _ in rewards]
+    # Between the committed part and the rerun's lines sit at most the killed run's uncommitted steps (Ray's
+    # workers may finish a line just after the kill); no committed step is ever trained again.
+    assert steps[-(NUM_ROLLOUT - last - 1) :] == list(range(last + 1, NUM_ROLLOUT)), steps
+    assert all(step > last for step in steps[last + 1 :]), f"a committed step was trained again: {steps}"
+    branch = json.loads((_branches(save)[-1] / "rollout" / "branch.json").read_text())
+    assert branch["parent"]["step"] == last and branch["parent"]["queue_snapshot"] is True
