@@ -17,6 +17,7 @@ from typing import Any
 
 from slime import hookimpl
 from slime.specs import RewardFunctionSpec
+from slime.utils.durable import write_atomically
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 #: The demo's targets: with a random 60-symbol tiny model, full-alphabet targets almost never earn reward.
@@ -42,21 +43,10 @@ def demo_prompt_rows(
 
 def write_demo_prompts(path: str | os.PathLike, count: int = 256, *, seed: int = 0, alphabet: str = ALPHABET) -> Path:
     """Write the demo prompts as JSONL (atomically: a temp file, fsync, rename); return the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "w", encoding="utf-8") as handle:
-        for row in demo_prompt_rows(count, seed=seed, alphabet=alphabet):
-            handle.write(json.dumps(row) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(partial, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-    return path
+    rows = demo_prompt_rows(count, seed=seed, alphabet=alphabet)
+    return write_atomically(
+        path, lambda handle: handle.writelines(json.dumps(row) + "\n" for row in rows), binary=False
+    )
 
 
 def copy_reward(args: Any, sample: Any) -> float:

@@ -20,6 +20,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from slime.utils.durable import fsync_path
+
 TINY_MODEL_VERSION = 1
 MARKER_FILE = "slime_tiny_model.json"
 
@@ -148,7 +150,7 @@ def ensure_tiny_model(directory: str | os.PathLike | None = None, seed: int = 0)
             if is_tiny_model_dir(target):
                 return target
             raise
-        _fsync_dir(target.parent)
+        fsync_path(target.parent)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
@@ -161,13 +163,5 @@ def _fsync_tree(root: Path) -> None:
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
     for path in sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True):
-        _fsync_dir(path)
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_path(path)
+    fsync_path(root)

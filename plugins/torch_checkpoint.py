@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from slime.utils.durable import fsync_path
+
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "opt_param_scheduler.pt"
@@ -37,14 +39,6 @@ def rng_file(rank: int) -> str:
     return f"rng_state_rank{rank}.pt"
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_tree(root: Path) -> None:
     """fsync every file under `root`, then every directory, deepest first, then `root` itself."""
     for path in sorted(root.rglob("*")):
@@ -52,8 +46,8 @@ def fsync_tree(root: Path) -> None:
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
     for path in sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True):
-        fsync_dir(path)
-    fsync_dir(root)
+        fsync_path(path)
+    fsync_path(root)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -64,7 +58,7 @@ def write_text_atomic(path: Path, text: str) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def publish_dir(staging: Path, final: Path) -> None:
@@ -76,7 +70,7 @@ def publish_dir(staging: Path, final: Path) -> None:
     if final.exists():
         os.rename(final, old)
     os.rename(staging, final)
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
     if old.exists():
         shutil.rmtree(old)
 

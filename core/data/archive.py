@@ -31,6 +31,7 @@ from typing import Any
 
 from slime.data.refs import DiskPayloadRef
 from slime.rollout.base_types import iter_samples
+from slime.utils.durable import fsync_path
 from slime.utils.types import Sample
 
 ARCHIVE_FORMAT = "slime.straw-debug"
@@ -228,7 +229,7 @@ class RolloutArchive:
         except BaseException:
             Path(partial).unlink(missing_ok=True)
             raise
-        _sync_directory(path.parent)
+        fsync_path(path.parent)
         return path
 
     def release(self) -> None:
@@ -438,11 +439,3 @@ def _write_archive(
             store.release_publications(published)
         raise
     return path
-
-
-def _sync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

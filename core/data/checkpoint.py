@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 import uuid
 from dataclasses import dataclass
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from straw.reporting import write_report
+
+from slime.utils.durable import fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -68,15 +69,6 @@ class SourceRestore:
 # --------------------------------------------------------------------------------------------- commit
 
 
-def _fsync_path(path: Path) -> None:
-    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as stream:
@@ -115,12 +107,12 @@ def _model_files(root: Path, config: Any, rollout_id: int) -> dict[str, dict[str
             )
     files = {}
     for path in payloads:
-        _fsync_path(path)
+        fsync_path(path)
         hashed = path.suffix == ".json" or path.name.endswith(".metadata")
         files[path.relative_to(root).as_posix()] = _describe(path, hashed=hashed)
     directories = {path.parent for path in payloads} | {model_dir, model_dir.parent}
     for directory in sorted(directories, key=lambda p: len(p.parts), reverse=True):
-        _fsync_path(directory)
+        fsync_path(directory)
     return files
 
 
@@ -155,9 +147,9 @@ def commit_checkpoint(
         path = root / "rollout" / f"{name}_{rollout_id}.json"
         if not path.is_file():
             raise ValueError(f"Missing {name} checkpoint: {path} (the rollout manager's save did not write it)")
-        _fsync_path(path)
+        fsync_path(path)
         files[path.relative_to(root).as_posix()] = _describe(path, hashed=True)
-    _fsync_path(root / "rollout")
+    fsync_path(root / "rollout")
     pool = getattr(args, "rollout_data_dir", None)
     write_report(
         marker,

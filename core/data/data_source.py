@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
+from slime.utils.durable import write_atomically
 from slime.utils.types import Sample
 
 STATE_VERSION = 1
@@ -170,18 +171,7 @@ class RolloutDataSource(DataSource):
         if not save:
             return
         path = self.state_path(save, rollout_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(".pt.tmp")
-        with open(temporary, "wb") as handle:
-            torch.save(self.state_dict(), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-        directory = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        write_atomically(path, lambda handle: torch.save(self.state_dict(), handle))
 
     def load(self, rollout_id: int | None = None) -> None:
         """Restore the cursor saved under `--load` with `rollout_id` (nothing to do without either)."""
