@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from slime.utils.durable import fsync_path
+from slime.utils.durable import fsync_path, fsync_tree
 
 TINY_MODEL_VERSION = 1
 MARKER_FILE = "slime_tiny_model.json"
@@ -142,7 +142,7 @@ def ensure_tiny_model(directory: str | os.PathLike | None = None, seed: int = 0)
         tokenizer.save_pretrained(staging)
         marker = {"version": TINY_MODEL_VERSION, "seed": seed, "vocab_size": len(tokenizer), **MODEL_SHAPE}
         (staging / MARKER_FILE).write_text(json.dumps(marker, indent=2))
-        _fsync_tree(staging)
+        fsync_tree(staging)
         try:
             os.rename(staging, target)
         except OSError:
@@ -155,13 +155,3 @@ def ensure_tiny_model(directory: str | os.PathLike | None = None, seed: int = 0)
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-    for path in sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True):
-        fsync_path(path)
-    fsync_path(root)

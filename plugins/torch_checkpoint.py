@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from slime.utils.durable import fsync_path
+from slime.utils.durable import fsync_path, fsync_tree
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -37,17 +37,6 @@ def partial_dir(root: str | os.PathLike, step: int) -> Path:
 
 def rng_file(rank: int) -> str:
     return f"rng_state_rank{rank}.pt"
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every file under `root`, then every directory, deepest first, then `root` itself."""
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-    for path in sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True):
-        fsync_path(path)
-    fsync_path(root)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

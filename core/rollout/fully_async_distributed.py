@@ -40,13 +40,14 @@ class _GenerationActor:
     def take(self, rollout_id: int, limit: int) -> list[tuple[Any, DynamicFilterOutput]]:
         """Up to `limit` finished groups with their filter verdicts; kept groups already published."""
         from slime.data import transport
-        from slime.rollout.fully_async_rollout import _verdict
+        from slime.rollout.filter_hub.base_types import dynamic_filter_verdict
+        from slime.rollout.fully_async_rollout import load_function
 
         if self.worker.error is not None:
             raise RuntimeError("A node's rollout worker failed") from self.worker.error
         results = []
         for _, group in self.worker.get_completed_groups(limit):
-            verdict = _verdict(self.args, group)
+            verdict = dynamic_filter_verdict(self.args, group, load_function)
             if verdict.keep:
                 group = transport.pack_rollout_group(group, self.args, rollout_id, controller=self.reader.controller)
             else:

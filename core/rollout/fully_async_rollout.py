@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 from slime.rollout.base_types import RolloutFnTrainOutput, finalize_rollout_groups, iter_samples
-from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+from slime.rollout.filter_hub.base_types import dynamic_filter_verdict
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -165,14 +165,6 @@ def _get_worker(args: Any, data_buffer: Any) -> Any:
     return worker
 
 
-def _verdict(args: Any, group: list) -> DynamicFilterOutput:
-    path = getattr(args, "dynamic_sampling_filter_path", None)
-    if not path:
-        return DynamicFilterOutput(keep=True)
-    verdict = load_function(path)(args, group)
-    return verdict if isinstance(verdict, DynamicFilterOutput) else DynamicFilterOutput(keep=bool(verdict))
-
-
 async def _generate_rollout_async(args: Any, rollout_id: int, data_buffer: Any) -> Any:
     from slime.data import transport
 
@@ -193,7 +185,7 @@ async def _generate_rollout_async(args: Any, rollout_id: int, data_buffer: Any) 
             continue
         for _, group in groups:
             seen += 1
-            verdict = _verdict(args, group)
+            verdict = dynamic_filter_verdict(args, group, load_function)
             if not verdict.keep:
                 reason = verdict.reason or "filtered"
                 dropped[reason] = dropped.get(reason, 0) + 1

@@ -15,7 +15,7 @@ from typing import Any
 
 from slime.rollout import rm_hub
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, finalize_rollout_groups, iter_samples
-from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+from slime.rollout.filter_hub.base_types import dynamic_filter_verdict
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -243,14 +243,6 @@ async def abort(args: Any, rollout_id: int) -> list:
     return aborted
 
 
-def _filter(args: Any, group: list) -> DynamicFilterOutput:
-    path = getattr(args, "dynamic_sampling_filter_path", None)
-    if not path:
-        return DynamicFilterOutput(keep=True)
-    verdict = load_function(path)(args, group)
-    return verdict if isinstance(verdict, DynamicFilterOutput) else DynamicFilterOutput(keep=bool(verdict))
-
-
 def _first_index(group: Any) -> int:
     first = next(iter_samples(group), None)
     return (first.index if first is not None else None) or 0
@@ -326,7 +318,7 @@ async def _collect(
             all_data.append(group)
             if len(data) >= target:
                 continue
-            verdict = _filter(args, group)
+            verdict = dynamic_filter_verdict(args, group, load_function)
             if not verdict.keep:
                 state.remaining_batch_size -= 1
                 reason = verdict.reason or "filtered"

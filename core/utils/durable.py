@@ -18,6 +18,17 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.close(descriptor)
 
 
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every file under `root`, then every directory, deepest first, then `root` itself."""
+    root = Path(root)
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            fsync_path(path)
+    for path in sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True):
+        fsync_path(path)
+    fsync_path(root)
+
+
 def write_atomically(path: str | os.PathLike, write: Callable[[IO[Any]], None], *, binary: bool = True) -> Path:
     """Create or replace `path` with what `write(handle)` writes; readers see the old file or the whole new one.
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -11,3 +13,16 @@ class DynamicFilterOutput:
 
     keep: bool
     reason: str | None = None
+
+
+def dynamic_filter_verdict(args: Any, group: list, load_function: Callable[[Any], Any]) -> DynamicFilterOutput:
+    """Run `--dynamic-sampling-filter-path` on a finished group (kept when none is set).
+
+    `load_function` is passed by the caller so that the rollout module's own resolver is used.
+    A filter may return a `DynamicFilterOutput` or a plain truth value.
+    """
+    path = getattr(args, "dynamic_sampling_filter_path", None)
+    if not path:
+        return DynamicFilterOutput(keep=True)
+    verdict = load_function(path)(args, group)
+    return verdict if isinstance(verdict, DynamicFilterOutput) else DynamicFilterOutput(keep=bool(verdict))
