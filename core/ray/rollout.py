@@ -26,7 +26,9 @@ from slime.observability.rollout_data_utils import (
     save_debug_rollout_data,
     validate_rollout_id_annotated,
 )
+from slime.ray.health_monitor import start_health_monitors
 from slime.ray.lock import Lock
+from slime.ray.serving import live_urls
 from slime.rollout.base_types import RolloutFnTrainOutput, call_rollout_fn, iter_samples
 from slime.utils.misc import load_function
 
@@ -77,6 +79,8 @@ class RolloutManager:
         except BaseException:
             self._release_after_failed_init()
             raise
+        # Engines this manager started are its to watch; a serving cluster watches its own.
+        self._health_monitors = start_health_monitors(self.servers, args) if self._launched_servers else []
         init_tracking(args, primary=False)
         if deployment is not None:
             self.rollout_engine_lock = deployment.engine_lock
@@ -172,6 +176,8 @@ class RolloutManager:
         if use_straw(self.args):
             step(lambda: transport.seal_rollout_store(self.args))
         if self._launched_servers:
+            for monitor in self._health_monitors:
+                step(monitor.stop)
             for server in self.servers.values():
                 step(server.shutdown)
             self._launched_servers = False
@@ -188,8 +194,7 @@ class RolloutManager:
         self.batch_builder.rollout_id = rollout_id
         self.health_monitoring_resume()
         result = self._generate(rollout_id, start_time)
-        if self.serving is not None:
-            self.servers = ray.get(self.serving.finish_rollout.remote())
+        self._finish_rollout()
         return result
 
     def eval(self, rollout_id: int) -> None:
@@ -199,8 +204,7 @@ class RolloutManager:
         self.rollout_id = rollout_id
         self.health_monitoring_resume()
         result = call_rollout_fn(self.eval_generate_rollout, args, rollout_id, self.data_source, evaluation=True)
-        if self.serving is not None:
-            self.servers = ray.get(self.serving.finish_rollout.remote())
+        self._finish_rollout()
         save_debug_rollout_data(
             getattr(args, "save_debug_rollout_data", None), result.data, rollout_id=rollout_id, evaluation=True
         )
@@ -303,10 +307,25 @@ class RolloutManager:
     def health_monitoring_resume(self) -> None:
         if self.serving is not None:
             self.servers = ray.get(self.serving.health_monitoring_resume.remote())
+            return
+        for monitor in self._health_monitors:
+            monitor.resume()
 
     def health_monitoring_pause(self) -> None:
         if self.serving is not None:
             self.servers = ray.get(self.serving.health_monitoring_pause.remote())
+            return
+        for monitor in self._health_monitors:
+            monitor.pause()
+
+    def _finish_rollout(self) -> None:
+        """Rollout boundary: monitors pause and check every engine once (the serving cluster's, or ours)."""
+        if self.serving is not None:
+            self.servers = ray.get(self.serving.finish_rollout.remote())
+            return
+        for monitor in self._health_monitors:
+            monitor.pause()
+            monitor.check_once()
 
     def _publish_engine_urls(self) -> None:
         """Rollout functions find the engines in `args.rollout_engine_urls` (a copy: the caller's args stay as-is)."""
@@ -316,7 +335,8 @@ class RolloutManager:
             self.args.rollout_engine_urls = urls
 
     def engine_urls(self) -> list[str]:
-        return [url for server in self.servers.values() for url in getattr(server, "urls", [])]
+        """The live engines' URLs (engines marked dead are left out until they are relaunched)."""
+        return [url for server in self.servers.values() for url in live_urls(server)]
 
     def _post_engines(self, endpoint: str, payload: dict) -> list[dict]:
         import httpx
@@ -331,8 +351,19 @@ class RolloutManager:
         return results
 
     def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
-        """Have every engine load the exported weights at `model_path` as `weight_version`."""
+        """Have every engine load the exported weights at `model_path` as `weight_version`.
+
+        Dead engines are relaunched first, so a relaunched engine serves these weights from the next step
+        on; once every engine holds them, none is waiting for a weight connection (`num_new_engines` = 0).
+        """
+        self.recover_updatable_engines()
+        self._publish_engine_urls()
         self._post_engines("update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version})
+        if self.serving is not None:
+            ray.get(self.serving.clear_updatable_num_new_engines.remote())
+        for server in self.servers.values():
+            if getattr(server, "update_weights", False):
+                server.num_new_engines = 0
         self.weight_version = int(weight_version)
 
     def get_weight_version(self) -> int:

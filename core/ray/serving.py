@@ -35,7 +35,8 @@ class ServingDeployment:
 class RolloutServer:
     """One model's engines: their URLs, the launcher that made them and the slots of engines that died.
 
-    `all_engines[i]` is None when engine i is gone; `recover()` relaunches exactly those and counts them in
+    `all_engines[i]` is None when engine i is gone (`mark_engine_dead`); `urls[i]` keeps its last address.
+    `recover()` relaunches exactly those slots, puts them behind the router and counts them in
     `num_new_engines` (trainers must connect to new engines before the next weight update).
     """
 
@@ -58,15 +59,28 @@ class RolloutServer:
 
     @property
     def url(self) -> str:
-        """The address rollout functions send requests to: the router's, else the first engine's."""
+        """The address rollout functions send requests to: the router's, else the first live engine's."""
         if self.router is not None:
             return self.router.url
-        if not self.urls:
-            raise RuntimeError("The rollout server has no engines")
-        return self.urls[0]
+        urls = live_urls(self)
+        if not urls:
+            raise RuntimeError("The rollout server has no live engines; recover_updatable_engines relaunches them")
+        return urls[0]
+
+    def mark_engine_dead(self, slot: int) -> None:
+        """Take engine `slot` out of service: slot None, out of the router, its Ray actor killed (a hung
+        engine must not keep its resources while its replacement starts)."""
+        engine = self.all_engines[slot]
+        if engine is None:
+            return
+        self.all_engines[slot] = None
+        if isinstance(engine, ray.actor.ActorHandle):
+            ray.kill(engine, no_restart=True)
+        if self.router is not None:
+            router_remove_worker(self.router, self.urls[slot])
 
     def recover(self) -> None:
-        """Relaunch every engine whose slot is None."""
+        """Relaunch every engine whose slot is None and add the new engines to the router."""
         missing = [index for index, engine in enumerate(self.all_engines) if engine is None]
         if not missing:
             self.num_new_engines = 0
@@ -75,8 +89,11 @@ class RolloutServer:
         self.launched.append(engines)
         actors = list(getattr(engines, "actors", None) or engines)
         for slot, url, actor in zip(missing, engines, actors, strict=True):
+            logger.info("Rollout engine slot %d relaunched at %s (was %s)", slot, url, self.urls[slot])
             self.urls[slot] = url
             self.all_engines[slot] = actor
+            if self.router is not None:
+                router_add_worker(self.router, url)
         self.num_new_engines = len(missing)
 
     def shutdown(self) -> None:
@@ -85,6 +102,73 @@ class RolloutServer:
         for engines in self.launched:
             if hasattr(engines, "shutdown"):
                 engines.shutdown()
+
+
+def live_urls(server: Any) -> list[str]:
+    """The URLs of `server`'s engines that are in service (all of them for a server that tracks no slots)."""
+    urls = list(getattr(server, "urls", None) or [])
+    engines = getattr(server, "all_engines", None)
+    if engines is None:
+        return urls
+    return [url for url, engine in zip(urls, list(engines), strict=True) if engine is not None]
+
+
+def _sglang_router_call(router: Any, method: str, path: str, **kwargs: Any) -> Any:
+    import httpx
+
+    try:
+        response = httpx.request(method, f"{router.url}{path}", timeout=30, **kwargs)
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"sglang-router at {router.url} did not answer {method} {path}: {exc}") from exc
+    return response
+
+
+def router_remove_worker(router: Any, url: str) -> None:
+    """Stop `router` sending requests to `url`: its own `remove_worker(url)`, sglang-router's worker API
+    (`DELETE /workers/{id}`, or `POST /remove_worker?url=` before 0.3), else it relies on its own health checks."""
+    if hasattr(router, "remove_worker"):
+        router.remove_worker(url)
+        return
+    if getattr(router, "kind", None) != "sglang-router":
+        logger.warning(
+            "Router %s (%s) cannot drop workers; requests it sends to %s fail and are retried on other engines",
+            router.url,
+            getattr(router, "kind", type(router).__name__),
+            url,
+        )
+        return
+    listing = _sglang_router_call(router, "GET", "/workers")
+    if listing.status_code == 404:
+        response = _sglang_router_call(router, "POST", "/remove_worker", params={"url": url})
+    else:
+        workers = listing.json().get("workers", []) if listing.status_code == 200 else []
+        ids = [worker.get("id") for worker in workers if worker.get("url") == url]
+        if not ids:
+            return  # the router dropped it already
+        response = _sglang_router_call(router, "DELETE", f"/workers/{ids[0]}")
+    if response.status_code >= 400:
+        raise RuntimeError(
+            f"sglang-router at {router.url} refused to remove worker {url} ({response.status_code}): {response.text}"
+        )
+
+
+def router_add_worker(router: Any, url: str) -> None:
+    """Put a (relaunched) engine at `url` behind `router`; a router that cannot add workers is an error."""
+    if hasattr(router, "add_worker"):
+        router.add_worker(url)
+        return
+    if getattr(router, "kind", None) != "sglang-router":
+        raise RuntimeError(
+            f"Router {router.url} ({getattr(router, 'kind', type(router).__name__)}) cannot add the relaunched "
+            f"engine {url}; use sglang-router (--rollout-router sglang) for engine recovery behind a router"
+        )
+    response = _sglang_router_call(router, "POST", "/workers", json={"url": url})
+    if response.status_code == 404:
+        response = _sglang_router_call(router, "POST", "/add_worker", params={"url": url})
+    if response.status_code >= 400:
+        raise RuntimeError(
+            f"sglang-router at {router.url} refused to add worker {url} ({response.status_code}): {response.text}"
+        )
 
 
 def engine_weight_version(urls: list[str], *, allow_inconsistent: bool = False) -> int | None:
@@ -131,12 +215,13 @@ class ServingCluster:
     """Owns engines, router, queue controller and engine lock across trainer restarts."""
 
     def __init__(self, args: Any, restore_plan: Any = None) -> None:
+        from slime.ray.health_monitor import start_health_monitors
         from slime.ray.lock import Lock
 
         self.args = copy.deepcopy(args)
         self.restore_plan = restore_plan
         self.servers = launch_rollout_servers(self.args)
-        self._health_monitors: list = []
+        self._health_monitors: list = start_health_monitors(self.servers, self.args)
         self._controller = None
         self._trainers: dict[str, list] = {}
         self._job_id = None
@@ -216,7 +301,7 @@ class ServingCluster:
         return list(server.all_engines), self.engine_lock, server.num_new_engines
 
     def get_weight_version(self, allow_inconsistent: bool = False) -> int | None:
-        urls = [url for server in self.servers.values() for url in server.urls]
+        urls = [url for server in self.servers.values() for url in live_urls(server)]
         return engine_weight_version(urls, allow_inconsistent=allow_inconsistent)
 
     def clear_updatable_num_new_engines(self) -> None:
@@ -225,7 +310,9 @@ class ServingCluster:
                 server.num_new_engines = 0
 
     def dispose(self) -> None:
-        """Full teardown: the controller (closed, then killed), routers and engines."""
+        """Full teardown: the health monitors, the controller (closed, then killed), routers and engines."""
+        for monitor in self._health_monitors:
+            monitor.stop()
         try:
             if self._controller is not None:
                 ray.get(self._controller.close.remote())

@@ -4,6 +4,11 @@ Engines are reached at `args.rollout_router_url` when set, else round robin over
 (the manager fills these in). Groups of `n_samples_per_prompt` samples are generated concurrently
 (`--sglang-server-concurrency` requests at a time), scored (`slime.rollout.rm_hub`), filtered
 (`--dynamic-sampling-filter-path`) and, with a durable transport, published *while generation continues*.
+
+A request that fails (connection refused or reset, timeout, HTTP 5xx, a malformed reply) is retried
+`--rollout-request-retries` times, each time on another engine when there is one; an engine that cannot be
+reached is skipped for the rest of the step. A sample is filled in only from a complete, valid reply, so a
+retried request never leaves half an answer behind (nor publishes its sample twice).
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 from slime.rollout import rm_hub
@@ -22,6 +29,9 @@ from slime.utils.types import Sample
 logger = logging.getLogger(__name__)
 
 DEFAULT_CONCURRENCY = 64
+DEFAULT_REQUEST_RETRIES = 3
+#: Seconds before the first retry of a failed request; doubled for each further retry, at most 2 s.
+RETRY_BACKOFF_S = 0.05
 
 
 def _engine_urls(args: Any) -> list[str]:
@@ -81,6 +91,10 @@ class GenerateState:
         return cls._instance
 
     def _setup(self, args: Any, concurrency: int | None) -> None:
+        retries = getattr(args, "rollout_request_retries", None)
+        self.request_retries = DEFAULT_REQUEST_RETRIES if retries is None else int(retries)
+        if self.request_retries < 0:
+            raise ValueError(f"--rollout-request-retries must be 0 or more, got {self.request_retries}")
         self.args = args
         self.tokenizer = None
         checkpoint = getattr(args, "hf_checkpoint", None) or _served_tokenizer_path(_engine_urls(args)[0])
@@ -90,7 +104,8 @@ class GenerateState:
             self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.concurrency = int(concurrency or getattr(args, "sglang_server_concurrency", None) or DEFAULT_CONCURRENCY)
         self.sampling_params = sampling_params_from_args(args)
-        self._urls = itertools.cycle(_engine_urls(args))
+        self._urls = _engine_urls(args)
+        self._turn = itertools.count()
         self._loop = None
         self.reset()
 
@@ -108,12 +123,31 @@ class GenerateState:
         return self._semaphore
 
     def reset(self) -> None:
+        """Between steps; engines found unreachable get a new chance (the monitor decides which are dead)."""
         self.pendings: set[asyncio.Task] = set()
         self.remaining_batch_size = 0
         self.aborted = False
+        self.unreachable: dict[str, str] = {}
 
-    def next_url(self) -> str:
-        return next(self._urls)
+    def reachable_urls(self) -> list[str]:
+        """The engines not found unreachable this step (all of them when every one was)."""
+        return [url for url in self._urls if url not in self.unreachable] or list(self._urls)
+
+    def next_url(self, avoid: Collection[str] = ()) -> str:
+        """The next engine in turn for a request that already failed on the engines in `avoid`: a reachable
+        engine it has not tried, else any engine it has not tried, else a reachable one again."""
+        reachable = self.reachable_urls()
+        candidates = (
+            [url for url in reachable if url not in avoid]
+            or [url for url in self._urls if url not in avoid]
+            or reachable
+        )
+        return candidates[next(self._turn) % len(candidates)]
+
+    def mark_unreachable(self, url: str, reason: str) -> None:
+        if url not in self.unreachable and len(self._urls) > 1:
+            logger.warning("Rollout engine %s is unreachable (%s); this step's requests go to the others", url, reason)
+        self.unreachable[url] = reason
 
     def http(self) -> Any:
         import httpx
@@ -155,33 +189,98 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
         body["input_ids"] = prompt_ids
     else:
         body["text"] = sample.prompt if isinstance(sample.prompt, str) else str(sample.prompt)
-    url = state.next_url()
-    import httpx
-
-    try:
-        response = await state.http().post(f"{url}/generate", json=body)
-    except httpx.HTTPError as exc:
-        raise RuntimeError(f"Rollout engine {url}/generate failed: {type(exc).__name__}: {exc}") from exc
-    if response.status_code != 200:
-        raise RuntimeError(f"Rollout engine {url}/generate answered {response.status_code}: {response.text[:500]}")
-    output = response.json()
-    ids = list(output.get("output_ids") or [])
-    meta = output.get("meta_info") or {}
-    sample.tokens = (prompt_ids or []) + ids
-    sample.response = (sample.response or "") + (output.get("text") or "")
-    sample.response_length += len(ids)
-    sample.loss_mask = (sample.loss_mask or []) + [1] * len(ids)
-    logprobs = meta.get("output_token_logprobs")
-    if logprobs is not None:
-        sample.rollout_log_probs = (sample.rollout_log_probs or []) + [float(item[0]) for item in logprobs]
-    if meta.get("weight_version") is not None:
-        sample.weight_versions.append(str(meta["weight_version"]))
-    finish = (meta.get("finish_reason") or {}).get("type")
+    reply = await _post_generate(state, body)
+    sample.tokens = (prompt_ids or []) + reply.ids
+    sample.response = (sample.response or "") + reply.text
+    sample.response_length += len(reply.ids)
+    sample.loss_mask = (sample.loss_mask or []) + [1] * len(reply.ids)
+    if reply.logprobs is not None:
+        sample.rollout_log_probs = (sample.rollout_log_probs or []) + reply.logprobs
+    if reply.weight_version is not None:
+        sample.weight_versions.append(reply.weight_version)
     sample.status = {
         "length": Sample.Status.TRUNCATED,
         "abort": Sample.Status.ABORTED,
-    }.get(finish, Sample.Status.COMPLETED)
+    }.get(reply.finish, Sample.Status.COMPLETED)
     return sample
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """A validated `/generate` answer."""
+
+    ids: list[int]
+    text: str
+    logprobs: list[float] | None
+    weight_version: str | None
+    finish: str | None
+
+
+def _parse_reply(response: Any) -> _Reply:
+    """The reply of one `/generate` request; ValueError when it is not a well-formed SGLang answer."""
+    output = response.json()  # json.JSONDecodeError is a ValueError
+    if not isinstance(output, dict):
+        raise ValueError(f"expected a JSON object, got {type(output).__name__}")
+    ids = output.get("output_ids") or []
+    if not isinstance(ids, list) or not all(isinstance(token, int) for token in ids):
+        raise ValueError("'output_ids' is not a list of token ids")
+    meta = output.get("meta_info") or {}
+    finish = meta.get("finish_reason") if isinstance(meta, dict) else None
+    if not isinstance(meta, dict) or not isinstance(finish or {}, dict):
+        raise ValueError("'meta_info' (and its 'finish_reason') must be JSON objects")
+    text = output.get("text") or ""
+    if not isinstance(text, str):
+        raise ValueError("'text' is not a string")
+    logprobs = meta.get("output_token_logprobs")
+    if logprobs is not None:
+        try:
+            logprobs = [float(item[0]) for item in logprobs]
+        except (TypeError, IndexError, ValueError) as exc:
+            raise ValueError(f"'output_token_logprobs' is not a list of [logprob, token, ...]: {exc}") from exc
+        if len(logprobs) != len(ids):
+            raise ValueError(f"{len(logprobs)} output token log-probs for {len(ids)} output ids")
+    version = meta.get("weight_version")
+    return _Reply(ids, text, logprobs, None if version is None else str(version), (finish or {}).get("type"))
+
+
+async def _post_generate(state: GenerateState, body: dict) -> _Reply:
+    """POST `/generate`, retrying failures on other engines up to `state.request_retries` times.
+
+    HTTP 4xx is not retried: the request itself is at fault and every engine would refuse it.
+    """
+    import httpx
+
+    attempts = state.request_retries + 1
+    tried: list[str] = []
+    last = ""
+    for attempt in range(attempts):
+        if attempt:
+            logger.warning("Retrying a /generate request on another engine (%d/%d): %s", attempt, attempts - 1, last)
+            await asyncio.sleep(min(RETRY_BACKOFF_S * 2 ** (attempt - 1), 2.0))
+        url = state.next_url(avoid=tried)
+        tried.append(url)
+        try:
+            response = await state.http().post(f"{url}/generate", json=body)
+        except httpx.TransportError as exc:
+            reason = f"{type(exc).__name__}: {exc or 'no detail'}"
+            last = f"{url}: {reason}"
+            if not isinstance(exc, httpx.TimeoutException):  # a slow engine is not a dead one
+                state.mark_unreachable(url, reason)
+            continue
+        if response.status_code >= 500:
+            last = f"{url} answered {response.status_code}: {response.text[:500]}"
+            continue
+        if response.status_code != 200:
+            raise RuntimeError(f"Rollout engine {url}/generate answered {response.status_code}: {response.text[:500]}")
+        try:
+            return _parse_reply(response)
+        except ValueError as exc:
+            last = f"{url} sent a malformed reply ({exc}): {response.text[:200]!r}"
+    engines = ", ".join(dict.fromkeys(tried))
+    raise RuntimeError(
+        f"Rollout engine {tried[0]}/generate failed {attempts} time(s) (engines tried: {engines}; "
+        f"--rollout-request-retries {state.request_retries}); last failure: {last}"
+    )
 
 
 async def generate_and_rm(args: Any, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample:
@@ -226,7 +325,7 @@ async def abort(args: Any, rollout_id: int) -> list:
     state = GenerateState(args)
     state.aborted = True
     if state.pendings:
-        for url in _engine_urls(args):
+        for url in state.reachable_urls():
             try:
                 await state.http().post(f"{url}/abort_request", json={"abort_all": True})
             except Exception as exc:  # noqa: BLE001 - an engine that is gone has nothing left to abort

@@ -74,6 +74,23 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--rollout-engine", default="cpu", help="rollout engine plugin name")
     rollout.add_argument("--rollout-num-engines", type=int, default=2)
     rollout.add_argument("--sglang-server-concurrency", type=int, default=64)
+    rollout.add_argument(
+        "--rollout-request-retries",
+        type=int,
+        default=3,
+        help="retries of an engine request that failed (connection error, HTTP 5xx, malformed reply), each on "
+        "another live engine when there is one",
+    )
+    rollout.add_argument(
+        "--rollout-health-check-interval", type=float, default=5.0, help="seconds between engine health checks"
+    )
+    rollout.add_argument("--rollout-health-check-timeout", type=float, default=5.0, help="seconds per health check")
+    rollout.add_argument(
+        "--rollout-health-check-failures",
+        type=int,
+        default=3,
+        help="consecutive failed health checks after which an engine is dead (relaunched at the next weight update)",
+    )
     rollout.add_argument("--rollout-function-path", default="sglang", help="registered name or dotted path")
     rollout.add_argument("--eval-function-path", default=None)
     rollout.add_argument(
