@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("publish", "read", "ray", "ref_sizes", "assembly", "zstd")
+SECTIONS = ("publish", "read", "ray", "ref_sizes", "assembly", "zstd", "memory", "profile")
 
 
 def _numbers(value: object) -> list[float]:
@@ -29,7 +29,7 @@ def _numbers(value: object) -> list[float]:
 def test_quick_benchmark_reports_every_section(tmp_path: Path) -> None:
     out = tmp_path / "tmp.json"
     completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out), "--dir", str(tmp_path / "pools")],
+        [sys.executable, "-m", "benchmarks.transport", "--quick", "--out", str(out), "--dir", str(tmp_path / "pools")],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -43,7 +43,16 @@ def test_quick_benchmark_reports_every_section(tmp_path: Path) -> None:
         assert all(number > 0 for number in numbers), f"section {section} has a non-positive number: {report[section]}"
     assert set(report["publish"]) == set(report["read"]) == set(report["ray"]) == {"samples", "tensor_dict"}
     assert {"DiskPayloadRef", "RolloutGroupRef", "TrainBatchRef"} <= set(report["ref_sizes"])
-    assert {"1KB", "100KB", "1MB"} <= set(report["assembly"])
+    assert set(report["config"]["assembly_sizes"]) == {"1MB", "16MB"} < set(report["assembly"])
+    for label in ("1MB", "16MB"):
+        entry = report["assembly"][label]
+        # Assembly reads manifests, not payloads: far fewer bytes than the groups hold (the read meter works:
+        # the manifests themselves are read, so it is not zero).
+        assert 0 < entry["read_bytes_max"] < entry["published_bytes"] / 10, entry
+    memory = report["memory"]
+    assert memory["payload_tensor_bytes"] >= 64 * 1024**2 and memory["hwm_after_bytes"] >= memory["rss_before_bytes"]
+    assert set(report["profile"]) == {"samples", "tensor_dict"}
+    assert all(len(entry["split_s"]) == 3 for entry in report["profile"].values())
     assert set(report["zstd"]) == {"text", "tokens"}
     for key in ("cpu_count", "python", "torch", "straw"):
         assert report["machine"][key]
@@ -51,9 +60,10 @@ def test_quick_benchmark_reports_every_section(tmp_path: Path) -> None:
     assert list((tmp_path / "pools").iterdir()) == [], "the benchmark left temporary pools behind"
 
 
-def test_benchmark_rejects_invalid_repetitions(tmp_path: Path) -> None:
+@pytest.mark.parametrize("module", ["benchmarks.transport", "benchmarks.run"])
+def test_benchmark_rejects_invalid_repetitions(tmp_path: Path, module: str) -> None:
     completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--reps", "0", "--out", str(tmp_path / "x.json")],
+        [sys.executable, "-m", module, "--reps", "0", "--out", str(tmp_path / "x.json")],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from straw.errors import CorruptData, InvalidReference, UnsupportedSchema
-from straw.protocol import Record, decode, encode
+from straw.protocol import Record, RecordSetRef, decode, encode
 from straw.store import SharedFilesystemStore
 from straw.tensor import TensorRef
 
@@ -251,3 +251,89 @@ def test_more_tensors_than_one_publication_holds(args):
         MAX_RECORDS - 1,
         len(value) - 1,
     ]
+
+
+def types_of(value):
+    """The Python type of `value` and, for lists and tuples, of every element (recursively)."""
+    if isinstance(value, (list, tuple)):
+        return type(value), [types_of(item) for item in value]
+    return type(value)
+
+
+def test_long_numeric_lists_go_to_arenas_and_keep_their_python_types(args, monkeypatch):
+    tokens = list(range(100_000, 104_096))
+    log_probs = [-0.5, -0.0, math.inf, 1e-310] + [-(i / 7) for i in range(60)]
+    value = {
+        "tokens": tokens,
+        "log_probs": log_probs,
+        "ids": tuple(range(20)),
+        "wide": [2**40 + i for i in range(16)],
+        "huge": [2**64] * 16,
+        "flags": [True, False] * 8,
+        "mixed": [1, 2.5] * 8,
+        "short": [1, 2, 3],
+        "nested": [[7] * 16, [0.25] * 16],
+        "nan": [math.nan] * 16,
+    }
+    reference = pack_rollout_payload(value, args, 0)
+    document = decode(record_payload(reference))
+    tree = dict((key, node) for key, node in document["tree"][1])
+    assert set(document["numbers"]) == {"int", "float"}
+    assert tree["tokens"][0] == tree["log_probs"][0] == tree["ids"][0] == tree["wide"][0] == "numbers"
+    assert tree["short"][0] == tree["flags"][0] == tree["mixed"][0] == tree["huge"][0] == "list"
+    # The ints need int64 once one of them does; the floats are float64, so every bit survives.
+    assert document["numbers"]["int"][3] == "int64" and document["numbers"]["float"][3] == "float64"
+    assert len(record_payload(reference)) < 4096
+    monkeypatch.setattr(TensorRef, "load", lambda *a, **kw: pytest.fail("number arenas must not need TensorRef.load"))
+    restored = reference.load()
+    for key, expected in value.items():
+        assert types_of(restored[key]) == types_of(expected), key
+        if key != "nan":
+            assert restored[key] == expected, key
+    assert [math.copysign(1, item) for item in restored["log_probs"][:2]] == [-1, -1]
+    assert restored["log_probs"][3] == 1e-310 and all(math.isnan(item) for item in restored["nan"])
+
+
+def test_int32_arena_and_selection_of_a_numeric_column(args):
+    reference = pack_rollout_payload({"rewards": [float(i) for i in range(32)], "ids": list(range(40))}, args, 0)
+    assert decode(record_payload(reference))["numbers"]["int"][3] == "int32"
+    selected = reference.load(selection={"rewards": [1, 31], "ids": [0, 39]})
+    assert selected == {"rewards": [1.0, 31.0], "ids": [0, 39]}
+
+
+def test_corrupt_number_nodes_fail_loudly(args):
+    store, codec, lock = rollout_store(args)
+    good = pack_rollout_payload(list(range(32)), args, 0)
+    document = decode(record_payload(good))
+    dependencies = [RecordSetRef.from_dict(dep) for dep in store.manifest(good.manifest)["dependencies"]]
+    int_arena = document["numbers"]["int"]
+    cases = {
+        "outside the int arena": {**document, "tree": ["numbers", "list", "int", 0, 33]},
+        "has none": {**document, "tree": ["numbers", "list", "float", 0, 1]},
+        "container": {**document, "tree": ["numbers", "set", "int", 0, 1]},
+        "number arenas": {**document, "numbers": ["int"]},
+        "not a 1-D float64": {**document, "numbers": {"float": int_arena}, "tree": ["numbers", "list", "float", 0, 1]},
+    }
+    for index, (message, bad) in enumerate(cases.items()):
+        with lock:
+            ref = store.publish(
+                [Record(f"bad-{index}", encode(bad), "slime.v1")],
+                submission_id=f"bad-{index}",
+                dependencies=dependencies,
+            )
+        with pytest.raises(CorruptData, match=message):
+            codec.load(ref)
+
+
+def test_routed_experts_are_published_from_the_samples_own_tensor(args, monkeypatch):
+    """No copy of the capture before writing: publication reads the tensor's bytes where they are."""
+    sample = Sample(tokens=[1, 2, 3], response_length=2, status=Sample.Status.COMPLETED)
+    sample.rollout_routed_experts = torch.arange(16, dtype=torch.int32).reshape(2, 2, 4)
+    monkeypatch.setattr(torch.Tensor, "clone", lambda *a, **kw: pytest.fail("routed experts were copied"))
+    reference = pack_rollout_payload(sample, args, 0)
+    monkeypatch.undo()
+    assert reference.load().rollout_routed_experts.load().tolist() == sample.rollout_routed_experts.tolist()
+    transposed = Sample(tokens=[1, 2, 3], response_length=2, status=Sample.Status.COMPLETED)
+    transposed.rollout_routed_experts = torch.arange(16, dtype=torch.int32).reshape(4, 2, 2).transpose(0, 2)
+    restored = round_trip(transposed, args).rollout_routed_experts.load()
+    assert torch.equal(restored, transposed.rollout_routed_experts)

@@ -14,6 +14,15 @@ Tree nodes are lists `[tag, ...]`; `None`, `str`, `bool`, `int` and finite float
     ["sample", dict node]   ["spec-info", dict node]   ["prefix-cache-info", dict node]
     ["dynamic-filter", dict node]   ["dict", [[key, value], ...]]   ["list", [...]]   ["tuple", [...]]
     ["image-png", base64 PNG]
+    ["numbers", "list"|"tuple", "int"|"float", start, stop]
+
+A list or tuple of at least `NUMBERS_MIN` elements that are all exactly `int` (within int64) or all exactly
+`float` (token ids, log-probs, loss masks) is not written into the JSON tree: its values go into one of two
+per-value arenas, tensor records named in the document's `"numbers"` object (`{"int": tensor node, "float":
+tensor node}`; int32 when every int fits, else int64; float64, so every float round-trips bit for bit), and
+its node names the element range. Decoding reads each arena once, when the first such node is visited, and
+returns lists (or tuples) of the same Python types. Encoding such lists as JSON used to dominate the
+publication of rollout-shaped Samples (see docs/benchmarks.md).
 
 With `args.rollout_data_compression == "zstd"` the record payload is a zstd frame (recognised by its magic
 number on load) instead of plain JSON bytes.
@@ -55,6 +64,10 @@ REPLAY_FIELDS = (
 )
 _TOP_K_FIELDS = ("rollout_topk_token_ids", "rollout_topk_log_probs")
 _TOP_P_FIELDS = ("rollout_top_p_token_ids", "rollout_top_p_token_offsets", "rollout_top_p_log_probs")
+#: Shorter numeric lists stay in the JSON tree (an arena slice is not worth it for a handful of values).
+NUMBERS_MIN = 16
+_INT32 = np.iinfo(np.int32)
+_NUMBER_DTYPES = {"int": ("int32", "int64"), "float": ("float64",)}
 
 
 @dataclasses.dataclass
@@ -69,6 +82,8 @@ class _Encoding:
     aliases: dict[tuple, list] = dataclasses.field(default_factory=dict)
     keep_alive: list[Any] = dataclasses.field(default_factory=list)
     active: set[int] = dataclasses.field(default_factory=set)
+    numbers: dict[str, list[np.ndarray]] = dataclasses.field(default_factory=lambda: {"int": [], "float": []})
+    number_sizes: dict[str, int] = dataclasses.field(default_factory=lambda: {"int": 0, "float": 0})
     tokens: int = 0
 
     def dependency(self, ref: RecordSetRef) -> int:
@@ -115,7 +130,10 @@ class SampleCodec:
     def prepare(self, value: Any, *, submission_id: str, metadata: dict | None = None) -> list[Publication]:
         """The publications that store `value`; the last one holds the single `slime.v1` record."""
         state = _Encoding(submission_id)
-        tree = self._node(value, state)
+        document = {"version": TREE_VERSION, "tree": self._node(value, state)}
+        numbers = self._number_arenas(state)
+        if numbers:
+            document["numbers"] = numbers
         publications = []
         blob_dependency = {}
         limit = MAX_RECORDS - 1
@@ -124,7 +142,7 @@ class SampleCodec:
             publications.append(Publication(tuple(state.blobs[start : start + limit])))
         for node, blob in state.blob_nodes:
             node[1] = {"dependency": blob_dependency[blob // limit], "ordinal": blob % limit}
-        payload = encode({"version": TREE_VERSION, "tree": tree})
+        payload = encode(document)
         if self.compression == "zstd":
             import zstandard
 
@@ -226,6 +244,10 @@ class SampleCodec:
 
         if isinstance(value, DynamicFilterOutput):
             return ["dynamic-filter", self._node(dataclasses.asdict(value), state)]
+        if isinstance(value, (list, tuple)) and len(value) >= NUMBERS_MIN:
+            node = self._numbers_node(value, state)
+            if node is not None:
+                return node
         if isinstance(value, dict):
             return self._container(
                 value,
@@ -285,6 +307,37 @@ class SampleCodec:
         state.aliases[key] = node
         return node
 
+    @staticmethod
+    def _numbers_node(value: list | tuple, state: _Encoding) -> list | None:
+        """An arena slice for a homogeneous int or float list; None when it must stay in the JSON tree."""
+        kinds = set(map(type, value))
+        if kinds == {int}:
+            kind = "int"
+            try:
+                array = np.array(value, dtype=np.int64)
+            except OverflowError:
+                return None
+        elif kinds == {float}:
+            kind, array = "float", np.array(value, dtype=np.float64)
+        else:
+            return None
+        start = state.number_sizes[kind]
+        state.numbers[kind].append(array)
+        state.number_sizes[kind] = start + len(array)
+        return ["numbers", "list" if isinstance(value, list) else "tuple", kind, start, start + len(array)]
+
+    def _number_arenas(self, state: _Encoding) -> dict[str, list]:
+        """The tensor nodes of the int and float arenas that `_numbers_node` filled (none when empty)."""
+        nodes = {}
+        for kind, arrays in state.numbers.items():
+            if not arrays:
+                continue
+            values = np.concatenate(arrays)
+            if kind == "int" and _INT32.min <= values.min() and values.max() <= _INT32.max:
+                values = values.astype(np.int32)
+            nodes[kind] = self._tensor_node(torch.from_numpy(values), state, lazy=True, kind=f"slime.numbers.{kind}")
+        return nodes
+
     def _ref_node(self, value: Any, state: _Encoding, refs: Any) -> list:
         name = type(value).__name__
         if name not in refs.REF_CLASSES:
@@ -319,7 +372,7 @@ class SampleCodec:
         if isinstance(value, TensorRef):
             return self._tensor_node(value, state, lazy=True, kind=key, validated=validated or value.validated)
         if key == "rollout_routed_experts":
-            tensor = sample.materialize_rollout_routed_experts(replace=False)
+            tensor = _routed_experts(sample)
         else:
             tensor = _replay_tensor(key, value)
             if validated or tensor.numel() == 0:
@@ -338,7 +391,7 @@ class SampleCodec:
 
                 value = sample.rollout_routed_experts
                 if not isinstance(value, TensorRef):
-                    value = sample.materialize_rollout_routed_experts(replace=False)
+                    value = _routed_experts(sample)
                 validate_rollout_routed_experts_for_replay(
                     value,
                     num_layers=getattr(args, "num_layers", None),
@@ -387,8 +440,14 @@ class SampleCodec:
             raise UnsupportedSchema(
                 f"Unsupported slime.v1 record version in {ref.manifest.segment.path}: expected {TREE_VERSION}"
             )
+        numbers = document.get("numbers", {})
+        if not isinstance(numbers, dict) or not set(numbers) <= set(_NUMBER_DTYPES):
+            raise CorruptData(
+                f"Malformed slime.v1 number arenas in {ref.manifest.segment.path}: expected an object with keys "
+                f"from {sorted(_NUMBER_DTYPES)}, got {str(numbers)[:200]}"
+            )
         dependencies = [RecordSetRef.from_dict(dep) for dep in reader.manifest(ref)["dependencies"]]
-        decoder = _Decoder(self.store, reader, dependencies)
+        decoder = _Decoder(self.store, reader, dependencies, numbers)
         tree = document["tree"]
         if selection is None:
             return decoder.visit(tree)
@@ -398,10 +457,11 @@ class SampleCodec:
 class _Decoder:
     """Decodes one tree; caches tensor lookups per dependency and aliases per location."""
 
-    def __init__(self, store: Any, reader: Any, dependencies: list[RecordSetRef]) -> None:
+    def __init__(self, store: Any, reader: Any, dependencies: list[RecordSetRef], numbers: dict) -> None:
         self.store, self.reader, self.dependencies = store, reader, dependencies
         self.members: dict[int, dict[int, TensorRef]] = {}
         self.aliases: dict[tuple[str, bool], Any] = {}
+        self.number_nodes, self.arenas = numbers, {}
 
     def dependency(self, index: Any) -> RecordSetRef:
         if type(index) is not int or not 0 <= index < len(self.dependencies):
@@ -422,6 +482,10 @@ class _Decoder:
             elif isinstance(value_node, list) and value_node and value_node[0] in ("list", "tuple"):
                 items = [self.visit(value_node[1][i]) for i in indices]
                 result[key] = tuple(items) if value_node[0] == "tuple" else items
+            elif isinstance(value_node, list) and value_node and value_node[0] == "numbers":
+                values = self.visit(value_node)
+                items = [values[i] for i in indices]
+                result[key] = tuple(items) if isinstance(values, tuple) else items
             else:
                 result[key] = self.visit(value_node)[list(indices)]
         return result
@@ -441,6 +505,8 @@ class _Decoder:
                 return [self.visit(item) for item in node[1]]
             if tag == "tuple":
                 return tuple(self.visit(item) for item in node[1])
+            if tag == "numbers":
+                return self.numbers(node)
             if tag == "float":
                 return float(node[1])
             if tag == "tensor":
@@ -499,6 +565,31 @@ class _Decoder:
         self.aliases[key] = value
         return value
 
+    def numbers(self, node: list) -> list | tuple:
+        _, container, kind, start, stop = node
+        if container not in ("list", "tuple"):
+            raise CorruptData(f"slime.v1 numbers node has container {container!r}")
+        values = self.arena(kind)
+        if type(start) is not int or type(stop) is not int or not 0 <= start <= stop <= len(values):
+            raise CorruptData(f"slime.v1 numbers node range {start!r}:{stop!r} is outside the {kind} arena")
+        items = values[start:stop].tolist()
+        return items if container == "list" else tuple(items)
+
+    def arena(self, kind: str) -> np.ndarray:
+        """The `kind` number arena, read once through the reader (never through `TensorRef.load`)."""
+        if kind in self.arenas:
+            return self.arenas[kind]
+        if kind not in self.number_nodes:
+            raise CorruptData(f"slime.v1 tree uses the {kind!r} number arena but the document has none")
+        ref = self.visit(self.number_nodes[kind])
+        if not isinstance(ref, TensorRef) or ref.dtype not in _NUMBER_DTYPES[kind] or len(ref.shape) != 1:
+            raise CorruptData(f"slime.v1 {kind} number arena is not a 1-D {'/'.join(_NUMBER_DTYPES[kind])} tensor")
+        _, payload = self.reader.read_tensor_range(
+            ref.record_ref, 0, ref.nbytes, expected={"shape": list(ref.shape), "dtype": ref.dtype, "length": ref.nbytes}
+        )
+        values = self.arenas[kind] = np.frombuffer(payload, dtype=ref.dtype)
+        return values
+
     def rollout_ref(self, node: list) -> Any:
         from straw.protocol import CommitReceipt
 
@@ -521,6 +612,18 @@ class _Decoder:
             if key not in known:
                 setattr(sample, key, value)
         return sample
+
+
+def _routed_experts(sample: Sample) -> torch.Tensor:
+    """The routed experts as one CPU tensor, without the copy `materialize_rollout_routed_experts` makes of a tensor.
+
+    Publication only reads the bytes (straw hashes and writes them from a view), so copying a tensor here
+    would cost a memcpy and one extra copy of the payload in memory.
+    """
+    value = sample.rollout_routed_experts
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    return sample.materialize_rollout_routed_experts(replace=False)
 
 
 def _numpy_tensor(value: np.ndarray) -> torch.Tensor:
