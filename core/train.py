@@ -27,13 +27,18 @@ from typing import Any
 import ray
 
 from slime.data.checkpoint import save_checkpoint
+from slime.data.data_source import prompt_record_keys, read_prompt_records
 from slime.data.transport import resolve_rollout_data_dir, use_straw
 from slime.observability.logging_utils import configure_logger, finish_tracking, init_tracking
 from slime.ray.placement_group import create_placement_groups, create_rollout_manager, create_training_models
 from slime.utils.arguments import parse_args
+from slime.utils.hf_checkpoint import validate_hf_checkpoint_dir
 from slime.utils.misc import should_run_periodic_action
 
 logger = logging.getLogger(__name__)
+
+# Registered data sources that read `--prompt-data` rows with `read_prompt_records` (object store, straw).
+PROMPT_FILE_SOURCES = frozenset({"prompts", "queue"})
 
 
 class _Observers:
@@ -135,6 +140,18 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
     ray.get(rollout_manager.dispose.remote())
 
 
+def check_run_inputs(args: Any) -> None:
+    """Fail on a bad `--hf-checkpoint` directory or `--prompt-data` file before any Ray actor starts.
+
+    Runs after `slime_run_start` (which may build them). The prompt file is checked only for the built-in
+    data sources, the ones that read it as JSONL/Parquet rows.
+    """
+    if getattr(args, "hf_checkpoint", None):
+        validate_hf_checkpoint_dir(args.hf_checkpoint)
+    if getattr(args, "prompt_data", None) and getattr(args, "data_source_path", None) in PROMPT_FILE_SOURCES:
+        read_prompt_records(args.prompt_data, required_keys=prompt_record_keys(args))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line, start the run on Ray, train, and tear the run down."""
     configure_logger()
@@ -143,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Resolve the pool once here so the joint commit records it and every actor sees the same path.
         resolve_rollout_data_dir(args)
     _Observers(args).call("slime_run_start", args=args)
+    check_run_inputs(args)
     if not ray.is_initialized():
         ray.init()
     init_tracking(args)

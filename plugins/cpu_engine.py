@@ -1,7 +1,10 @@
 """The built-in CPU rollout engine plugin: SGLang-protocol HTTP servers running a Hugging Face model on CPU.
 
 `launch_cpu_engines(args, num_engines)` starts `num_engines` Ray actors (`CPUEngineActor`), each serving one
-model over HTTP on 127.0.0.1 (see `slime.plugins.cpu_engine_server`), and returns their URLs.
+model over HTTP on 127.0.0.1 (see `slime.plugins.cpu_engine_server`), and returns their URLs. Each engine
+writes its stdout/stderr to its own log (`--cpu-engine-log-dir`, default `<save>/logs/cpu-engines`); an engine
+that cannot load its model, dies or misses `--cpu-engine-startup-timeout` raises `EngineStartError` naming
+its address and quoting the tail of that log.
 `start_router(worker_urls, args)` puts them behind one address: `sglang-router` (round robin) when it is
 installed, the built-in round-robin proxy otherwise (`--rollout-router auto|sglang|builtin`).
 
@@ -11,13 +14,18 @@ no transformers, no sglang_router) at module level.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,10 +34,54 @@ from slime import hookimpl
 from slime.specs import RolloutEngineSpec
 
 ROUTER_STARTUP_TIMEOUT_S = 60.0
+ROUTER_PORT_ATTEMPTS = 3
+ENGINE_STARTUP_TIMEOUT_S = 600.0
+ENGINE_HOST = "127.0.0.1"
+LOG_TAIL_LINES = 40
+LOG_TAIL_CHARS = 4000
+
+
+class _Tee:
+    """A text stream that writes to `stream` and to the engine's log file (Ray still streams `stream`)."""
+
+    def __init__(self, stream: Any, log: Any) -> None:
+        self._stream = stream
+        self._log = log
+
+    def write(self, text: str) -> int:
+        self._log.write(text)
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._log.flush()
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def log_tail(path: str | os.PathLike | None, lines: int = LOG_TAIL_LINES, max_chars: int = LOG_TAIL_CHARS) -> str:
+    """The last `lines` lines (at most `max_chars` characters) of a log file, or why there are none."""
+    if path is None:
+        return "(no log file)"
+    try:
+        text = Path(path).read_text(errors="replace")
+    except FileNotFoundError:
+        return f"(no log at {path}: the engine had not started writing it, or it is on the engine's node)"
+    except OSError as exc:
+        return f"(log {path} unreadable here: {exc.strerror}; it may be on the engine's node)"
+    tail = "".join(text.splitlines(keepends=True)[-lines:])[-max_chars:]
+    return tail or "(the log is empty)"
 
 
 class CPUEngineActor:
-    """A Ray actor (wrapped with `ray.remote` by the launcher) that serves one CPU engine from its process."""
+    """A Ray actor (wrapped with `ray.remote` by the launcher) that serves one CPU engine from its process.
+
+    Construction is cheap: it starts the engine's log (`log_path`, which then receives this process's
+    stdout, stderr and, on a fatal signal, a faulthandler traceback) and takes the HTTP port, so `address()`
+    answers before `start()` loads the model. A launcher can then name the engine's address and log when
+    the model fails to load or the process dies.
+    """
 
     def __init__(
         self,
@@ -39,36 +91,82 @@ class CPUEngineActor:
         max_batch_size: int = 32,
         batch_wait_s: float = 0.005,
         num_threads: int | None = 1,
+        *,
+        name: str = "CPU engine",
+        log_path: str | None = None,
+        host: str = ENGINE_HOST,
+        port: int = 0,
     ) -> None:
+        from slime.plugins.cpu_engine_server import listen_socket
+
+        self._options = {
+            "seed": seed,
+            "max_batch_size": max_batch_size,
+            "batch_wait_s": batch_wait_s,
+            "num_threads": num_threads,
+        }
+        self._model_path, self._tokenizer_path = model_path, tokenizer_path
+        self._log_path = log_path
+        self._log = self._capture_output(log_path) if log_path is not None else None
+        print(f"{name}: pid {os.getpid()}, model {model_path}", flush=True)
+        self._sock = listen_socket(host, port, f"{name} HTTP server")
+        host, port = self._sock.getsockname()[:2]
+        self._url = f"http://{host}:{port}"
+        print(f"{name}: listening on {self._url}, loading the model", flush=True)
+        self._server = None
+
+    @staticmethod
+    def _capture_output(log_path: str) -> Any:
+        """Open the log for the rest of this process's life and send stdout, stderr and fatal signals to it."""
+        import faulthandler
+
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "a", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115 - process lifetime
+        sys.stdout = _Tee(sys.stdout, log)
+        sys.stderr = _Tee(sys.stderr, log)
+        faulthandler.enable(file=log)
+        return log
+
+    def address(self) -> dict[str, Any]:
+        """Where the engine listens (before the model is loaded), its pid and its log file."""
+        return {"url": self._url, "pid": os.getpid(), "log_path": self._log_path}
+
+    def start(self) -> str:
+        """Load the model and serve it; returns the URL. A failure's traceback goes to the log, then it is raised
+        (to the log only: Ray already reports the raised error with its traceback)."""
         from slime.plugins.cpu_engine_server import EngineServer
 
-        self._server = EngineServer(
-            model_path,
-            tokenizer_path,
-            seed=seed,
-            max_batch_size=max_batch_size,
-            batch_wait_s=batch_wait_s,
-            num_threads=num_threads,
-        )
+        try:
+            self._server = EngineServer(self._model_path, self._tokenizer_path, sock=self._sock, **self._options)
+        except BaseException:
+            if self._log is not None:
+                traceback.print_exc(file=self._log)
+            raise
+        print(f"serving {self._model_path} on {self._url}", flush=True)
+        return self._url
 
     def url(self) -> str:
         """The engine's base URL, e.g. `http://127.0.0.1:41234`."""
-        return self._server.url
+        return self._url
 
     def stop(self) -> None:
-        self._server.stop()
+        if self._server is not None:
+            self._server.stop()
+        else:
+            self._sock.close()
 
 
 class LaunchedEngines(list):
     """The engines' URLs (a `list[str]`), holding the Ray actors that serve them.
 
     Ray destroys an actor once no handle refers to it, so keep this object for as long as the engines
-    are needed; `shutdown()` stops them.
+    are needed; `shutdown()` stops them and removes their logs when they were in a temporary directory.
     """
 
-    def __init__(self, urls: Sequence[str], actors: Sequence[Any]) -> None:
+    def __init__(self, urls: Sequence[str], actors: Sequence[Any], temporary_log_dir: str | None = None) -> None:
         super().__init__(urls)
         self.actors = list(actors)
+        self.temporary_log_dir = temporary_log_dir
 
     def shutdown(self) -> None:
         import ray
@@ -76,20 +174,102 @@ class LaunchedEngines(list):
         for actor in self.actors:
             ray.kill(actor)
         self.actors.clear()
+        if self.temporary_log_dir is not None:
+            shutil.rmtree(self.temporary_log_dir, ignore_errors=True)
+            self.temporary_log_dir = None
 
 
 def resolve_model_path(args: Any) -> str:
-    """`args.hf_checkpoint`, or the built-in tiny model (built on first use)."""
+    """`args.hf_checkpoint` (checked to be a complete model directory), or the built-in tiny model."""
     checkpoint = getattr(args, "hf_checkpoint", None)
     if checkpoint:
-        if not Path(checkpoint, "config.json").is_file():
-            raise FileNotFoundError(
-                f"--hf-checkpoint {checkpoint} is not a Hugging Face model directory (no config.json there)"
-            )
+        from slime.utils.hf_checkpoint import validate_hf_checkpoint_dir
+
+        validate_hf_checkpoint_dir(checkpoint)
         return str(checkpoint)
     from slime.plugins.tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model())
+
+
+def _engine_log_dir(args: Any) -> tuple[Path, bool]:
+    """Where engine logs go: `--cpu-engine-log-dir`, `<save>/logs/cpu-engines`, else a temporary directory
+    (the flag says whether it is temporary)."""
+    explicit = getattr(args, "cpu_engine_log_dir", None)
+    if explicit:
+        return Path(explicit).expanduser(), False
+    save = getattr(args, "save", None)
+    if save:
+        return Path(save).expanduser() / "logs" / "cpu-engines", False
+    return Path(tempfile.mkdtemp(prefix="slime-cpu-engines-")), True
+
+
+class EngineStartError(RuntimeError):
+    """A CPU engine did not come up; the message names the engine, its address and the tail of its log."""
+
+
+_LOGGED_PID = re.compile(r": pid (\d+), model ")
+_LOGGED_URL = re.compile(r": listening on (http://\S+), loading the model")
+
+
+def _failure(what: str, model_path: str, info: dict[str, Any], reason: str) -> EngineStartError:
+    log_path = info.get("log_path")
+    tail = log_tail(log_path)
+    # An engine that died before `address()` answered may still have logged its pid and address.
+    logged = {}
+    try:
+        head = Path(log_path).read_text(errors="replace")[:4096] if log_path else ""
+    except OSError:
+        head = ""
+    for key, pattern in (("pid", _LOGGED_PID), ("url", _LOGGED_URL)):
+        found = pattern.search(head)
+        if found:
+            logged[key] = found.group(1)
+    url = info.get("url") or logged.get("url") or f"{ENGINE_HOST}, port not yet taken"
+    pid = info.get("pid") or logged.get("pid")
+    return EngineStartError(
+        f"{what} ({url}{f', pid {pid}' if pid else ''}) failed to start serving {model_path}: {reason}\n"
+        f"--- last lines of its log {log_path} ---\n{tail}"
+    )
+
+
+def _reason(exc: BaseException) -> str:
+    """The error an engine raised (a Ray task error carries it as `cause`), else Ray's own report."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _await_engines(
+    refs: dict[Any, int], infos: list[dict[str, Any]], names: list[str], model_path: str, timeout: tuple[float, float]
+) -> dict[int, Any]:
+    """The value of every ref (keyed by engine index); the first engine that fails or times out raises.
+
+    `timeout` is (deadline on the monotonic clock, the startup timeout in seconds it came from).
+    """
+    import ray
+
+    deadline, timeout_s = timeout
+    values: dict[int, Any] = {}
+    pending = dict(refs)
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            index = next(iter(pending.values()))
+            raise _failure(
+                names[index],
+                model_path,
+                infos[index],
+                f"it did not come up within {timeout_s:g} s (raise --cpu-engine-startup-timeout for a model that "
+                "loads slowly)",
+            )
+        index = pending.pop(ready[0])
+        try:
+            values[index] = ray.get(ready[0])
+        except Exception as exc:
+            raise _failure(names[index], model_path, infos[index], _reason(exc)) from exc
+    return values
 
 
 def launch_cpu_engines(args: Any, num_engines: int) -> LaunchedEngines:
@@ -97,19 +277,27 @@ def launch_cpu_engines(args: Any, num_engines: int) -> LaunchedEngines:
 
     Reads (all optional): `hf_checkpoint`, `rollout_seed` (engine i seeds its sampling with seed + i),
     `cpu_engine_max_batch_size` (32), `cpu_engine_batch_wait_ms` (5), `cpu_engine_num_cpus` (Ray CPUs
-    reserved per engine, 0 so engines never starve training ranks of scheduling slots), and
-    `cpu_engine_num_threads` (torch threads per engine, 1).
+    reserved per engine, 0 so engines never starve training ranks of scheduling slots),
+    `cpu_engine_num_threads` (torch threads per engine, 1), `cpu_engine_startup_timeout` (seconds, 600)
+    and `cpu_engine_log_dir` (see `_engine_log_dir`). An engine that fails to load its model, dies or
+    does not come up in time raises `EngineStartError` with its address and the tail of its log; every
+    engine of the launch is then stopped.
     """
     import ray
 
     if num_engines < 1:
         raise ValueError(f"launch_cpu_engines needs at least one engine, got num_engines={num_engines}")
     model_path = resolve_model_path(args)
+    timeout = float(getattr(args, "cpu_engine_startup_timeout", None) or ENGINE_STARTUP_TIMEOUT_S)
+    log_dir, temporary = _engine_log_dir(args)
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    names = [f"CPU engine {index + 1}/{num_engines}" for index in range(num_engines)]
     actor_class = ray.remote(CPUEngineActor).options(
         num_cpus=getattr(args, "cpu_engine_num_cpus", 0) or 0,
         max_concurrency=4,
     )
     seed = int(getattr(args, "rollout_seed", 42) or 0)
+    infos = [{"log_path": str(log_dir / f"engine-{stamp}-{index}.log")} for index in range(num_engines)]
     actors = [
         actor_class.remote(
             model_path,
@@ -118,16 +306,26 @@ def launch_cpu_engines(args: Any, num_engines: int) -> LaunchedEngines:
             max_batch_size=int(getattr(args, "cpu_engine_max_batch_size", 32) or 32),
             batch_wait_s=float(getattr(args, "cpu_engine_batch_wait_ms", 5) or 0) / 1000.0,
             num_threads=int(getattr(args, "cpu_engine_num_threads", 1) or 1),
+            name=names[index],
+            log_path=infos[index]["log_path"],
         )
         for index in range(num_engines)
     ]
+    timing = (time.monotonic() + timeout, timeout)
     try:
-        urls = ray.get([actor.url.remote() for actor in actors])
-    except Exception as exc:
+        addresses = _await_engines(
+            {actor.address.remote(): i for i, actor in enumerate(actors)}, infos, names, model_path, timing
+        )
+        for index, address in addresses.items():
+            infos[index].update(address)
+        urls = _await_engines(
+            {actor.start.remote(): i for i, actor in enumerate(actors)}, infos, names, model_path, timing
+        )
+    except BaseException:
         for actor in actors:
             ray.kill(actor)
-        raise RuntimeError(f"a CPU engine failed to start serving {model_path}: {exc}") from exc
-    return LaunchedEngines(urls, actors)
+        raise
+    return LaunchedEngines([urls[index] for index in range(num_engines)], actors, str(log_dir) if temporary else None)
 
 
 def _free_port(host: str) -> int:
@@ -145,49 +343,81 @@ def sglang_router_available() -> bool:
 
 
 class SGLangRouter:
-    """`sglang-router launch ... --policy round_robin` as a subprocess of this process."""
+    """`sglang-router launch ... --policy round_robin` as a subprocess of this process.
+
+    Without `port`, a free port is chosen and handed to the subprocess; another process may take it in
+    between, so a router that exits with "Address already in use" is started again on a new free port
+    (`ROUTER_PORT_ATTEMPTS` tries). A given `port` that is in use is an error naming it.
+    """
 
     kind = "sglang-router"
 
     def __init__(self, worker_urls: Sequence[str], host: str = "127.0.0.1", port: int | None = None) -> None:
-        import httpx
+        from slime.plugins.cpu_engine_server import PortInUseError
 
         self.worker_urls = list(worker_urls)
-        self.port = port or _free_port(host)
-        self.url = f"http://{host}:{self.port}"
-        self._log = tempfile.NamedTemporaryFile(prefix="slime-sglang-router-", suffix=".log", delete=False)
-        command = [
-            sys.executable,
-            "-m",
-            "sglang_router.launch_router",
-            "--host",
-            host,
-            "--port",
-            str(self.port),
-            "--worker-urls",
-            *self.worker_urls,
-            "--policy",
-            "round_robin",
-            "--log-level",
-            "warn",
-        ]
-        self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+        attempts = 1 if port else ROUTER_PORT_ATTEMPTS
+        for _ in range(attempts):
+            self.port = port or _free_port(host)
+            self.url = f"http://{host}:{self.port}"
+            self._log = tempfile.NamedTemporaryFile(prefix="slime-sglang-router-", suffix=".log", delete=False)
+            command = [
+                sys.executable,
+                "-m",
+                "sglang_router.launch_router",
+                "--host",
+                host,
+                "--port",
+                str(self.port),
+                "--worker-urls",
+                *self.worker_urls,
+                "--policy",
+                "round_robin",
+                "--log-level",
+                "warn",
+            ]
+            self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+            if self._wait_until_ready():
+                return
+            tail = self._log_tail()
+            self.close()
+        if port:
+            raise PortInUseError(
+                errno.EADDRINUSE,
+                f"sglang-router cannot listen on {host}:{port}: the port is already in use by another process; "
+                f"stop that process or choose another port. Its output: {tail}",
+            )
+        raise PortInUseError(
+            errno.EADDRINUSE,
+            f"sglang-router could not listen on {host}: each of {attempts} free ports chosen for it was taken by "
+            f"another process before it started (last {self.port}). Its output: {tail}",
+        )
+
+    def _wait_until_ready(self) -> bool:
+        """True once every worker is healthy behind the router; False when it exited because its port was taken."""
+        import httpx
+
         deadline = time.monotonic() + ROUTER_STARTUP_TIMEOUT_S
         while True:
             if self._process.poll() is not None:
-                raise RuntimeError(f"sglang-router exited with code {self._process.returncode}: {self._log_tail()}")
+                tail = self._log_tail()
+                if "Address already in use" in tail:
+                    return False
+                self.close()
+                raise RuntimeError(f"sglang-router on {self.url} exited with code {self._process.returncode}: {tail}")
             try:
                 workers = httpx.get(f"{self.url}/workers", timeout=2).json().get("workers", [])
                 healthy = {w.get("url") for w in workers if w.get("is_healthy")}
                 if healthy >= set(self.worker_urls):
-                    return
+                    return True
             except (httpx.HTTPError, ValueError):
                 pass
             if time.monotonic() > deadline:
+                tail = self._log_tail()
                 self.close()
                 raise RuntimeError(
                     f"sglang-router on {self.url} did not report all workers {self.worker_urls} healthy within "
-                    f"{ROUTER_STARTUP_TIMEOUT_S:.0f} s: {self._log_tail()}"
+                    f"{ROUTER_STARTUP_TIMEOUT_S:.0f} s: {tail}"
                 )
             time.sleep(0.05)
 
@@ -252,3 +482,15 @@ def slime_addoption(parser) -> None:
     group.add_argument("--cpu-engine-batch-wait-ms", type=float, default=5.0, help="time to collect a batch")
     group.add_argument("--cpu-engine-num-cpus", type=float, default=0, help="Ray CPUs reserved per engine actor")
     group.add_argument("--cpu-engine-num-threads", type=int, default=1, help="torch threads per engine")
+    group.add_argument(
+        "--cpu-engine-startup-timeout",
+        type=float,
+        default=ENGINE_STARTUP_TIMEOUT_S,
+        help="seconds an engine may take to load its model and listen",
+    )
+    group.add_argument(
+        "--cpu-engine-log-dir",
+        default=None,
+        help="where each engine's stdout/stderr log goes (default: <save>/logs/cpu-engines, else a temporary "
+        "directory removed at shutdown)",
+    )

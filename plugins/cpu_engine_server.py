@@ -1,7 +1,8 @@
 """The CPU engine's HTTP face: the subset of SGLang's server protocol that slime and sglang-router use.
 
 `create_app(engine, scheduler)` builds the FastAPI app; `EngineServer` runs one engine behind uvicorn on
-127.0.0.1 and a free port, in a background thread of the current process (a test, or a Ray actor).
+127.0.0.1 and a free (or given) port, in a background thread of the current process (a test, or a Ray actor).
+`listen_socket` takes the port first, so a port in use is an error naming the port and the server.
 `RoundRobinProxy` is the built-in router used when `sglang-router` is not installed. Route handlers take
 `fastapi.Request`, imported at module level so FastAPI can resolve the annotations.
 Errors answer `{"error": {"message": ..., "code": ...}}` with status 400, as SGLang does.
@@ -10,6 +11,7 @@ Errors answer `{"error": {"message": ..., "code": ...}}` with status 400, as SGL
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import json
 import socket
@@ -144,21 +146,40 @@ def create_app(engine: CPUEngine, scheduler: EngineScheduler):
     return app
 
 
-def _bind_free_port(host: str, port: int = 0) -> socket.socket:
+class PortInUseError(OSError):
+    """A component could not listen on its port: another process holds it."""
+
+
+def listen_socket(host: str, port: int, component: str) -> socket.socket:
+    """A socket listening on `host:port` (port 0: a free one, race-free since this socket holds it).
+
+    A port that cannot be bound is an error naming the port and `component`, the server that wanted it.
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
+    try:
+        # Lets a restarted server reuse a port still in TIME_WAIT; a port another socket listens on stays taken.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUseError(
+                exc.errno,
+                f"{component} cannot listen on {host}:{port}: the port is already in use by another process; "
+                "stop that process, choose another port, or pass port 0 for a free one",
+            ) from exc
+        raise OSError(exc.errno, f"{component} cannot listen on {host}:{port}: {exc.strerror}") from exc
     return sock
 
 
 class _ThreadedUvicorn:
-    """uvicorn serving an app on an already bound socket, in a daemon thread."""
+    """uvicorn serving an app on an already listening socket (which it then owns), in a daemon thread."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, name: str = "uvicorn") -> None:
+    def __init__(self, app: Any, sock: socket.socket, name: str = "uvicorn") -> None:
         import uvicorn
 
-        self._sock = _bind_free_port(host, port)
+        self._sock = sock
         self.host, self.port = self._sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
         # "error": sglang-router probes each worker's protocol, which uvicorn would log as invalid requests.
@@ -170,6 +191,7 @@ class _ThreadedUvicorn:
         deadline = time.monotonic() + 30
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
                 raise RuntimeError(f"{name} failed to start on {self.url}")
             time.sleep(0.01)
 
@@ -180,7 +202,11 @@ class _ThreadedUvicorn:
 
 
 class EngineServer:
-    """One CPU engine served over HTTP from this process; `url` is where it listens."""
+    """One CPU engine served over HTTP from this process; `url` is where it listens.
+
+    The port is taken before the model loads, so a port in use fails at once; `sock` is a socket already
+    listening (from `listen_socket`) for callers that publish the address before the model is loaded.
+    """
 
     def __init__(
         self,
@@ -189,18 +215,28 @@ class EngineServer:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        sock: socket.socket | None = None,
         seed: int = 0,
         max_batch_size: int = 32,
         batch_wait_s: float = 0.005,
         num_threads: int | None = None,
     ) -> None:
-        if num_threads is not None:
-            import torch
+        sock = sock if sock is not None else listen_socket(host, port, "CPU engine HTTP server")
+        try:
+            if num_threads is not None:
+                import torch
 
-            torch.set_num_threads(num_threads)
-        self.engine = CPUEngine(model_path, tokenizer_path, seed=seed)
-        self.scheduler = EngineScheduler(self.engine, max_batch_size=max_batch_size, batch_wait_s=batch_wait_s)
-        self._http = _ThreadedUvicorn(create_app(self.engine, self.scheduler), host, port, name="cpu-engine-http")
+                torch.set_num_threads(num_threads)
+            self.engine = CPUEngine(model_path, tokenizer_path, seed=seed)
+            self.scheduler = EngineScheduler(self.engine, max_batch_size=max_batch_size, batch_wait_s=batch_wait_s)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            self._http = _ThreadedUvicorn(create_app(self.engine, self.scheduler), sock, name="cpu-engine-http")
+        except BaseException:
+            self.scheduler.close()
+            raise
         self.url = self._http.url
 
     def stop(self) -> None:
@@ -245,7 +281,8 @@ class RoundRobinProxy:
         if not worker_urls:
             raise ValueError("RoundRobinProxy needs at least one worker URL")
         self.worker_urls = list(worker_urls)
-        self._http = _ThreadedUvicorn(create_proxy_app(self.worker_urls), host, port, name="slime-router-http")
+        sock = listen_socket(host, port, "built-in router (RoundRobinProxy)")
+        self._http = _ThreadedUvicorn(create_proxy_app(self.worker_urls), sock, name="slime-router-http")
         self.url = self._http.url
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ import json
 import os
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,37 @@ class DataSource(ABC):
         """Restore the cursor saved with checkpoint `rollout_id`."""
 
 
-def read_prompt_records(path: str | os.PathLike) -> list[dict]:
-    """Rows of a JSONL or Parquet prompt file; errors name the file and line."""
+_JSONL_FIX = 'each non-empty line of a JSONL prompt file must be one JSON object, e.g. {"input": "...", "label": "..."}'
+
+
+def prompt_record_keys(args: Any) -> dict[str, str]:
+    """The fields every prompt row must have, each with the flag that names it."""
+    keys = {getattr(args, "input_key", None) or "prompt": "--input-key"}
+    label_key = getattr(args, "label_key", None)
+    if label_key:
+        keys.setdefault(label_key, "--label-key")
+    return keys
+
+
+def _check_record(record: Any, where: str, required_keys: Mapping[str, str]) -> dict:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: the row is a JSON {type(record).__name__}, not an object; {_JSONL_FIX}")
+    for key, flag in required_keys.items():
+        if key not in record:
+            raise KeyError(
+                f"{where}: the row has no {key!r} field ({flag} {key}); its fields are {sorted(record)}. "
+                f"Add the field to every row, or pass {flag} with the field that holds it"
+            )
+    return record
+
+
+def read_prompt_records(path: str | os.PathLike, *, required_keys: Mapping[str, str] | None = None) -> list[dict]:
+    """Rows of a JSONL or Parquet prompt file; `required_keys` maps each field every row needs to its flag.
+
+    Errors name the file, the line (JSONL) or row (Parquet), what is wrong and the fix.
+    """
     path = Path(path).expanduser()
+    required_keys = dict(required_keys or {})
     if not path.is_file():
         raise FileNotFoundError(f"--prompt-data {path} does not exist")
     if path.suffix == ".parquet":
@@ -53,29 +82,28 @@ def read_prompt_records(path: str | os.PathLike) -> list[dict]:
             import pyarrow.parquet as pq
         except ModuleNotFoundError as exc:
             raise ModuleNotFoundError(f"Reading {path} needs pyarrow: pip install pyarrow", name="pyarrow") from exc
-        return pq.read_table(path).to_pylist()
-    records = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: each line must be a JSON object, got {type(record).__name__}")
-            records.append(record)
+        rows = pq.read_table(path).to_pylist()
+        records = [_check_record(row, f"{path} row {number}", required_keys) for number, row in enumerate(rows, 1)]
+    else:
+        records = []
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(
+                        f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno}); {_JSONL_FIX}"
+                    ) from exc
+                records.append(_check_record(record, f"{path}:{number}", required_keys))
     if not records:
         raise ValueError(f"--prompt-data {path} holds no prompts")
     return records
 
 
-def _to_sample(record: dict, args: Any, row: int, path: Any) -> Sample:
-    input_key = getattr(args, "input_key", None) or "prompt"
-    if input_key not in record:
-        raise KeyError(f"{path}: row {row} has no {input_key!r} field (--input-key); fields: {sorted(record)}")
-    prompt = record[input_key]
+def _to_sample(record: dict, args: Any) -> Sample:
+    prompt = record[getattr(args, "input_key", None) or "prompt"]
     if getattr(args, "apply_chat_template", False) and isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     label_key = getattr(args, "label_key", None)
@@ -96,7 +124,8 @@ class RolloutDataSource(DataSource):
         path = getattr(args, "prompt_data", None)
         if not path:
             raise ValueError("RolloutDataSource needs --prompt-data FILE.jsonl (or .parquet)")
-        self.dataset = [_to_sample(r, args, i, path) for i, r in enumerate(read_prompt_records(path))]
+        records = read_prompt_records(path, required_keys=prompt_record_keys(args))
+        self.dataset = [_to_sample(record, args) for record in records]
         self.epoch_id = 0
         self.sample_offset = 0
         self.sample_group_index = 0
