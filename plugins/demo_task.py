@@ -1,8 +1,12 @@
 """The built-in demo task: copy a short lowercase string.
 
-Prompts look like `copy: kqz =` and the label is `kqz`. The reward is prompt-dependent and verifiable:
-the fraction of label characters the response reproduces at the right position, minus a small penalty
-for extra characters, so a policy that starts at random earns partial credit and can climb.
+Prompts look like `copy: kqz =` and the label is `kqz`. The demo copies strings of
+`DEMO_TARGET_LENGTH` characters over `DEMO_ALPHABET` with a response budget of the same length, so the
+tiny model learns to copy (the reward starts near 0 and reaches about 1) without first having to learn
+where to stop; the task itself supports variable lengths and any alphabet. The reward is
+prompt-dependent and verifiable: the fraction of label characters the response reproduces at the right
+position, minus a small penalty for extra characters, so a policy that starts at random earns partial
+credit and can climb.
 `write_demo_prompts` writes the task as a JSONL prompt file that the standard prompt data source reads.
 """
 
@@ -20,8 +24,13 @@ from slime.specs import RewardFunctionSpec
 from slime.utils.durable import write_atomically
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
-#: The demo's targets: with a random 60-symbol tiny model, full-alphabet targets almost never earn reward.
-DEMO_ALPHABET = "ab"
+#: The demo's targets. With variable lengths the tiny model settles on repeating the first characters
+#: without ever emitting end-of-sequence (reward about 0.7); with the full alphabet it earns almost nothing
+#: in the demo's step budget. `benchmarks/demo_floor.py` is the quick way to try other settings.
+DEMO_ALPHABET = "abcd"
+DEMO_TARGET_LENGTH = 3
+#: `demo_prompt_rows` options of the demo's prompts.
+DEMO_ROW_OPTIONS = {"alphabet": DEMO_ALPHABET, "min_len": DEMO_TARGET_LENGTH, "max_len": DEMO_TARGET_LENGTH}
 PROMPT_TEMPLATE = "copy: {target} ="
 
 
@@ -31,6 +40,8 @@ def demo_prompt_rows(
     """`count` deterministic prompt rows `{"input", "label"}` with targets drawn from `alphabet`."""
     if count <= 0:
         raise ValueError(f"count must be positive, got {count}")
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"target lengths must satisfy 1 <= min_len <= max_len, got {min_len} and {max_len}")
     if not alphabet:
         raise ValueError("alphabet must not be empty")
     rng = random.Random(seed)
@@ -41,9 +52,11 @@ def demo_prompt_rows(
     return rows
 
 
-def write_demo_prompts(path: str | os.PathLike, count: int = 256, *, seed: int = 0, alphabet: str = ALPHABET) -> Path:
-    """Write the demo prompts as JSONL (atomically: a temp file, fsync, rename); return the path."""
-    rows = demo_prompt_rows(count, seed=seed, alphabet=alphabet)
+def write_demo_prompts(path: str | os.PathLike, count: int = 256, *, seed: int = 0, **row_options: Any) -> Path:
+    """Write the demo prompts as JSONL (atomically: a temp file, fsync, rename); return the path.
+
+    `row_options` (`min_len`, `max_len`, `alphabet`) go to `demo_prompt_rows`."""
+    rows = demo_prompt_rows(count, seed=seed, **row_options)
     return write_atomically(
         path, lambda handle: handle.writelines(json.dumps(row) + "\n" for row in rows), binary=False
     )

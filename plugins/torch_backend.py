@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from slime import hookimpl
 from slime.plugins import torch_checkpoint as ckpt
-from slime.plugins.torch_losses import grpo_advantages, kl_penalty, masked_mean, pad_right, policy_loss, token_log_probs
+from slime.plugins.torch_losses import kl_penalty, masked_mean, pad_right, policy_loss, token_log_probs
 from slime.specs import TrainBackendSpec
 
 logger = logging.getLogger(__name__)
@@ -276,27 +276,15 @@ class TorchTrainRayActor:
         return [(int(stats.item()), chunks)]
 
     def _advantages(self, data: dict[str, Any], batch: _Batch) -> list[torch.Tensor]:
-        """Per-token advantages (one 1-D tensor per sample, of its response length)."""
-        for key in ("advantages", "returns"):
+        """Per-token advantages (one 1-D tensor per sample, of its response length).
+
+        `rewards` are used as they come: the batch builder has already centred (and, with
+        `--grpo-std-normalization`, scaled) them per prompt group when `--rewards-normalization` is on.
+        """
+        for key in ("advantages", "returns", "rewards"):
             if key in data:
                 return [batch.broadcast(i, value) for i, value in enumerate(data[key])]
-        if "rewards" not in data:
-            raise ValueError("training data has none of 'advantages', 'returns', 'rewards'; nothing to learn from")
-        rewards = torch.as_tensor([float(r) for r in data["rewards"]], dtype=torch.float32)
-        if getattr(self.args, "rewards_normalization", True):
-            n = int(getattr(self.args, "n_samples_per_prompt", 1) or 1)
-            positions = torch.as_tensor(data.get("partition", range(len(batch))), dtype=torch.long)
-            group_ids = positions // n
-            local_groups = int(group_ids.max().item()) + 1 if len(batch) else 0
-            num_groups = int(self._all_reduce(torch.tensor([float(local_groups)]), op=dist.ReduceOp.MAX).item())
-            rewards = grpo_advantages(
-                rewards,
-                group_ids,
-                num_groups,
-                std_normalization=bool(getattr(self.args, "grpo_std_normalization", True)),
-                all_reduce=self._all_reduce if self.world_size > 1 else None,
-            )
-        return [batch.broadcast(i, float(r)) for i, r in enumerate(rewards)]
+        raise ValueError("training data has none of 'advantages', 'returns', 'rewards'; nothing to learn from")
 
     def _old_log_probs(self, data: dict[str, Any], batch: _Batch, micro_batches: list[list[int]]) -> list[torch.Tensor]:
         if getattr(self.args, "use_rollout_logprobs", False) and "rollout_log_probs" in data:
