@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from slime.plugins.demo import DEMO_GLOBAL_BATCH_SIZE, demo_settings
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
@@ -46,6 +48,7 @@ def test_archived_run_replays_identical_training_batches(tmp_path: Path) -> None
     live = _train_metrics(run)
     commits = sorted(p.name for p in (run / "rollout").glob("committed_*.json"))
 
+    demo = demo_settings(run)
     replays = []
     for name in ("replay1", "replay2"):
         save = tmp_path / name
@@ -62,14 +65,15 @@ def test_archived_run_replays_identical_training_batches(tmp_path: Path) -> None
             "label",
             "--rm-type",
             "copy",
+            # The live run's demo settings, spelled out: a replay names a model and prompts, so it is no demo.
             "--lr",
-            "1e-2",
+            str(demo["lr"]),
             "--rollout-batch-size",
-            "8",
+            str(demo["rollout_batch_size"]),
             "--n-samples-per-prompt",
-            "4",
+            str(demo["n_samples_per_prompt"]),
             "--global-batch-size",
-            "32",
+            str(DEMO_GLOBAL_BATCH_SIZE),
             "--save",
             str(save),
             "--rollout-data-dir",

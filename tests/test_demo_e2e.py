@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from slime.plugins.demo import prepare_demo_files
+from slime.plugins.demo import DEMO_GLOBAL_BATCH_SIZE, prepare_demo_files
 from slime.plugins.demo_report import plot_reward_curve, read_metrics, reward_by_step
 from slime.utils.arguments import parse_args
 
@@ -129,7 +129,7 @@ def test_demo_configures_a_run_without_model_or_prompts(tmp_path: Path) -> None:
     assert (args.input_key, args.label_key, args.rm_type) == ("input", "label", "copy")
     assert args.num_rollout == 3 and args.rollout_batch_size == 2  # given explicitly: kept
     assert args.global_batch_size == 2 * args.n_samples_per_prompt
-    assert args.save_interval == 5 and args.update_weight_disk_dir == str(save / "weights") and args.lr == 1e-2
+    assert args.save_interval == 10 and args.update_weight_disk_dir == str(save / "weights") and args.lr == 2e-3
     assert args.rollout_data_dir == str(save / "rollout_data")
     assert args.metrics_dir == str(save)
 
@@ -137,7 +137,7 @@ def test_demo_configures_a_run_without_model_or_prompts(tmp_path: Path) -> None:
     again = parse_args(["--plugin", "straw", "--save", str(save)])
     prepare_demo_files(again)
     assert (save / "prompts.jsonl").stat().st_mtime_ns == prompts, "a rerun must reuse the demo prompts"
-    assert again.num_rollout == 20 and again.global_batch_size == 32
+    assert again.num_rollout == 100 and again.global_batch_size == DEMO_GLOBAL_BATCH_SIZE
 
 
 def test_demo_leaves_a_users_run_alone(tmp_path: Path) -> None:
