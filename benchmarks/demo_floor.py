@@ -20,6 +20,11 @@ from typing import Any
 
 import torch
 
+from slime.plugins.torch_optim import LR_DECAY_STYLES
+
+#: Optimizer settings the command line may override (the rest of DEMO_OPTIMIZER stays as the demo has it).
+OPTIMIZER_OVERRIDES = ("adam_beta2", "min_lr", "lr_decay_style")
+
 
 @dataclass
 class FloorConfig:
@@ -32,13 +37,16 @@ class FloorConfig:
     temperature: float = 1.0
     global_batch_size: int = 0  # samples per optimizer step; 0: the whole rollout (one step)
     lr: float = 1e-3
+    #: The rest of the optimizer's settings (`slime.plugins.torch_optim.build_optimizer` reads them).
+    optimizer: dict = field(default_factory=dict)
     eps_clip: float = 0.2
+    eps_clip_high: float | None = None
     seed: int = 0
     prompt_count: int = 256
 
     @classmethod
     def from_demo(cls, **overrides: Any) -> FloorConfig:
-        from slime.plugins.demo import DEMO_GLOBAL_BATCH_SIZE, DEMO_PROMPT_COUNT, demo_settings
+        from slime.plugins.demo import DEMO_GLOBAL_BATCH_SIZE, DEMO_OPTIMIZER, DEMO_PROMPT_COUNT, demo_settings
 
         settings = demo_settings(Path("."))
         values = {
@@ -48,9 +56,17 @@ class FloorConfig:
             "max_response_len": settings["rollout_max_response_len"],
             "temperature": settings.get("rollout_temperature", 1.0),
             "lr": settings["lr"],
+            "eps_clip_high": settings.get("eps_clip_high"),
             "global_batch_size": DEMO_GLOBAL_BATCH_SIZE,
             "prompt_count": DEMO_PROMPT_COUNT,
         }
+        optimizer = dict(DEMO_OPTIMIZER)
+        for key in list(overrides):
+            if key in OPTIMIZER_OVERRIDES:
+                value = overrides.pop(key)
+                if value is not None:
+                    optimizer[key] = value
+        values["optimizer"] = optimizer
         values.update({key: value for key, value in overrides.items() if value is not None})
         return cls(**values)
 
@@ -109,7 +125,9 @@ def _response_log_probs(model: Any, sequences: list) -> tuple[torch.Tensor, torc
     return log_probs, pad_right([torch.ones(n) for n in lengths])
 
 
-def _train_step(model: Any, optimizer: Any, sequences: list, advantages: torch.Tensor, config: FloorConfig) -> float:
+def _train_step(
+    model: Any, optimizer: Any, scheduler: Any, sequences: list, advantages: torch.Tensor, config: FloorConfig
+) -> float:
     """PPO-clipped GRPO updates over the rollout in order, `global_batch_size` samples per optimizer step;
     returns the mean gradient norm."""
     from slime.plugins.torch_losses import masked_mean, policy_loss
@@ -120,31 +138,47 @@ def _train_step(model: Any, optimizer: Any, sequences: list, advantages: torch.T
     norms = []
     for start in range(0, len(sequences), size):
         chunk = slice(start, start + size)
+        if not advantages[chunk].ne(0).any():
+            continue  # no signal: the trainer takes no optimizer step either (see TorchTrainRayActor)
         log_probs, mask = _response_log_probs(model, sequences[chunk])
         width = log_probs.shape[1]
-        loss_tok, _ = policy_loss(log_probs, old[chunk, :width], advantages[chunk, None], config.eps_clip)
+        loss_tok, _ = policy_loss(
+            log_probs, old[chunk, :width], advantages[chunk, None], config.eps_clip, config.eps_clip_high
+        )
         loss = masked_mean(loss_tok, mask).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         optimizer.step()
-    return sum(norms) / len(norms)
+        scheduler.step()
+    return sum(norms) / len(norms) if norms else 0.0
 
 
 def run_floor(config: FloorConfig, model_dir: Path | None = None) -> list[FloorStep]:
     """Run `config.steps` GRPO steps of the copy task in this process; one `FloorStep` per step."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from slime.data.batch_builder import normalize_group_rewards
     from slime.plugins.demo_task import DEMO_ROW_OPTIONS, copy_reward, demo_prompt_rows
     from slime.plugins.tiny_model import ensure_tiny_model
-    from slime.plugins.torch_losses import grpo_advantages
+    from slime.plugins.torch_optim import build_optimizer
 
     torch.manual_seed(config.seed)
     with tempfile.TemporaryDirectory() as scratch:
         directory = ensure_tiny_model(model_dir or Path(scratch) / "model")
         tokenizer = AutoTokenizer.from_pretrained(directory)
         model = AutoModelForCausalLM.from_pretrained(directory)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    optimizer, scheduler = build_optimizer(
+        model.parameters(),
+        SimpleNamespace(
+            lr=config.lr,
+            num_rollout=config.steps,
+            rollout_batch_size=config.rollout_batch_size,
+            n_samples_per_prompt=config.n_samples_per_prompt,
+            global_batch_size=config.global_batch_size,
+            **config.optimizer,
+        ),
+    )
     rows = demo_prompt_rows(config.prompt_count, seed=0, **DEMO_ROW_OPTIONS)
     order = list(range(len(rows)))
     random.Random(config.seed).shuffle(order)
@@ -165,10 +199,9 @@ def run_floor(config: FloorConfig, model_dir: Path | None = None) -> list[FloorS
                 for i, (label, response) in enumerate(zip(labels, responses, strict=True))
             ]
         )
-        groups = torch.arange(len(prompts)) // n
-        advantages = grpo_advantages(rewards, groups, config.rollout_batch_size)
+        advantages = torch.tensor(normalize_group_rewards(rewards.tolist(), n, std_normalization=True))
         model.train()
-        norm = _train_step(model, optimizer, sequences, advantages, config)
+        norm = _train_step(model, optimizer, scheduler, sequences, advantages, config)
         record = FloorStep(step, float(rewards.mean()), generated - began, time.perf_counter() - generated, norm)
         record.extras["examples"] = list(zip(labels, responses, strict=True))[::n]
         steps.append(record)
@@ -186,8 +219,9 @@ def main(argv: list[str] | None = None) -> None:
         "global_batch_size",
     ):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int)
-    for name in ("lr", "temperature"):
-        parser.add_argument(f"--{name}", type=float)
+    for name in ("lr", "temperature", "adam_beta2", "min_lr", "eps_clip_high"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=float)
+    parser.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES)
     parser.add_argument("--json", help="write the per-step records here")
     options = vars(parser.parse_args(argv))
     output = options.pop("json")

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import shutil
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,8 @@ import torch.distributed as dist
 
 from slime import hookimpl
 from slime.plugins import torch_checkpoint as ckpt
-from slime.plugins.torch_losses import kl_penalty, masked_mean, pad_right, policy_loss, token_log_probs
+from slime.plugins.torch_losses import KL_ESTIMATORS, kl_penalty, masked_mean, pad_right, policy_loss, token_log_probs
+from slime.plugins.torch_optim import add_optimizer_options, build_optimizer
 from slime.specs import TrainBackendSpec
 
 logger = logging.getLogger(__name__)
@@ -102,17 +104,7 @@ class TorchTrainRayActor:
             self.ddp = DistributedDataParallel(self.model, device_ids=device_ids)
         else:
             self.ddp = None
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=float(getattr(args, "lr", 1e-3)),
-            betas=(float(getattr(args, "adam_beta1", 0.9)), float(getattr(args, "adam_beta2", 0.98))),
-            eps=float(getattr(args, "adam_eps", 1e-8)),
-            weight_decay=float(getattr(args, "weight_decay", 0.0) or 0.0),
-        )
-        warmup = int(getattr(args, "lr_warmup_iters", 0) or 0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda it: min(1.0, (it + 1) / warmup) if warmup > 0 else 1.0
-        )
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), args)
         self.global_step = 0
         self.weight_version = int(getattr(args, "update_weight_start_version", 0) or 0)
         if step is not None and not finetune:
@@ -184,8 +176,13 @@ class TorchTrainRayActor:
         """Train on this rank's shard of one rollout step (`rollout_data_ref`: one reference per rank)."""
         from slime.utils.data import process_rollout_data
 
+        started = time.perf_counter()
         data = process_rollout_data(rollout_data_ref, self.rank, self.world_size)
-        return self.train_from_data(rollout_id, data)
+        loaded = time.perf_counter() - started
+        metrics = self.train_from_data(rollout_id, data)
+        # Reading the shard through the transport: part of perf/train_time, shown apart in the breakdown.
+        metrics["perf/train_data_load_time"] = loaded
+        return metrics
 
     def train_from_data(self, rollout_id: int, data: dict[str, Any]) -> dict[str, float]:
         """One rollout step on an already loaded shard (the dict `process_rollout_data` returns)."""
@@ -203,7 +200,13 @@ class TorchTrainRayActor:
         sums = torch.zeros(len(METRIC_NAMES) + 1, dtype=torch.float64)
         grad_norms = []
         trained = self.ddp if self.ddp is not None else self.model
+        skipped = 0
         for global_size, step_micro_batches in schedule:
+            if not self._has_signal(batch, advantages, step_micro_batches):
+                # Every advantage is 0 (all its prompt groups answered alike): the gradient would be 0, and an
+                # AdamW step on it would only move the weights further along stale momentum.
+                skipped += 1
+                continue
             self.optimizer.zero_grad(set_to_none=True)
             for position, indices in enumerate(step_micro_batches):
                 last = position == len(step_micro_batches) - 1
@@ -243,9 +246,40 @@ class TorchTrainRayActor:
         metrics = {f"train/{name}": float(sums[k]) / count for k, name in enumerate(METRIC_NAMES)}
         metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         metrics["train/lr"] = float(self.scheduler.get_last_lr()[0])
-        metrics["train/steps"] = float(len(schedule))
+        metrics["train/steps"] = float(len(schedule) - skipped)
+        metrics["train/skipped_steps"] = float(skipped)
         metrics["train/rollout_id"] = float(rollout_id)
+        if (mismatch := self._rollout_log_prob_mismatch(data, batch, old_log_probs)) is not None:
+            metrics["train/rollout_logprob_abs_diff"] = mismatch
         return metrics
+
+    def _rollout_log_prob_mismatch(
+        self, data: dict[str, Any], batch: _Batch, old_log_probs: list[torch.Tensor]
+    ) -> float | None:
+        """Mean |engine log-prob - trainer log-prob| over response tokens, across ranks: near 0 when the
+        engines generated with the weights being trained (same model, same precision); None when the engines
+        sent no log-probs or they are the old log-probs themselves (`--use-rollout-logprobs`)."""
+        if getattr(self.args, "use_rollout_logprobs", False) or "rollout_log_probs" not in data:
+            return None
+        total = torch.zeros(2, dtype=torch.float64)
+        for i, engine in enumerate(data["rollout_log_probs"]):
+            engine = torch.as_tensor(engine, dtype=torch.float32).reshape(-1)
+            if engine.numel() != batch.response_lengths[i]:
+                raise ValueError(
+                    f"sample {i}: {engine.numel()} rollout log-probs for {batch.response_lengths[i]} response tokens"
+                )
+            total[0] += (engine - old_log_probs[i]).abs().sum().item()
+            total[1] += engine.numel()
+        total = self._all_reduce(total)
+        return float(total[0] / total[1]) if total[1] > 0 else None
+
+    def _has_signal(self, batch: _Batch, advantages: list[torch.Tensor], micro_batches: list[list[int]]) -> bool:
+        """Collective: whether any rank's samples in this optimizer step have a non-zero advantage on a token
+        the loss counts."""
+        local = any(
+            bool((advantages[i] * batch.loss_masks[i]).ne(0).any()) for indices in micro_batches for i in indices
+        )
+        return not self._all_ok(not local)
 
     def _schedule(self, data: dict[str, Any], n_local: int) -> list[tuple[int, list[list[int]]]]:
         """`[(global_batch_size, [micro batch indices, ...]), ...]`, one entry per optimizer step.
@@ -481,3 +515,16 @@ def slime_train_backends() -> Iterable[TrainBackendSpec]:
             requires_gpu=False,
         )
     ]
+
+
+@hookimpl
+def slime_addoption(parser) -> None:
+    add_optimizer_options(parser)
+    group = parser.add_argument_group("loss (torch backend)")
+    group.add_argument("--eps-clip-high", type=float, default=None, help="upper clip range (default: --eps-clip)")
+    group.add_argument("--kl-loss-type", choices=KL_ESTIMATORS, default="k3", help="KL estimator when --kl-coef > 0")
+    group.add_argument(
+        "--use-rollout-logprobs",
+        action="store_true",
+        help="take the engines' log-probs as the old policy instead of recomputing them in the trainer",
+    )

@@ -7,7 +7,7 @@ count and 0 on padding and on tokens the loss mask excludes (tool output, prompt
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -66,40 +66,6 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
         neg = (-delta).clamp(-20.0, 20.0)
         return torch.exp(neg) - neg - 1.0
     raise ValueError(f"unknown KL estimator {estimator!r}; use one of {', '.join(KL_ESTIMATORS)} (--kl-loss-type)")
-
-
-def grpo_advantages(
-    rewards: torch.Tensor,
-    group_ids: torch.Tensor,
-    num_groups: int,
-    *,
-    std_normalization: bool = True,
-    eps: float = 1e-6,
-    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """GRPO advantages: each reward minus its group's mean, divided by the group's std when asked.
-
-    `group_ids[i]` names the prompt group of sample `i` (global sample index // n_samples_per_prompt).
-    A data-parallel rank may hold only part of a group; `all_reduce` (an in-place sum over ranks, returning
-    its argument) makes the group statistics global, so every rank computes the same advantages as one
-    process holding the whole batch would. Std is the population std over the group.
-    """
-    if rewards.shape != group_ids.shape or rewards.dim() != 1:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and group ids {tuple(group_ids.shape)} must be equal 1-D")
-    rewards = rewards.to(torch.float64)
-    stats = torch.zeros(3, num_groups, dtype=torch.float64)
-    stats[0].index_add_(0, group_ids, torch.ones_like(rewards))
-    stats[1].index_add_(0, group_ids, rewards)
-    stats[2].index_add_(0, group_ids, rewards.square())
-    if all_reduce is not None:
-        stats = all_reduce(stats)
-    count = stats[0].clamp(min=1.0)
-    mean = stats[1] / count
-    var = (stats[2] / count - mean.square()).clamp(min=0.0)
-    advantages = rewards - mean[group_ids]
-    if std_normalization:
-        advantages = advantages / (var.sqrt()[group_ids] + eps)
-    return advantages.to(torch.float32)
 
 
 def pad_right(rows: Sequence[torch.Tensor], value: float = 0.0, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from slime.plugins import torch_checkpoint as ckpt
 from slime.plugins.torch_backend import TorchTrainRayActor
-from slime.plugins.torch_losses import grpo_advantages, kl_penalty, masked_mean, policy_loss
+from slime.plugins.torch_losses import kl_penalty, masked_mean, policy_loss
 
 PROMPT_LEN, RESPONSE_LEN = 4, 3
 
@@ -125,27 +125,6 @@ def test_kl_is_zero_when_policy_equals_reference():
         kl_penalty(log_probs, other, "k9")
 
 
-def test_grpo_advantages_normalise_per_group_and_agree_across_shards():
-    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0, 2.0, 0.0])
-    groups = torch.tensor([0, 0, 1, 1, 2, 2])
-    full = grpo_advantages(rewards, groups, 3)
-    assert torch.allclose(full, torch.tensor([1.0, -1.0, 0.0, 0.0, 1.0, -1.0]), atol=1e-5)
-    centred = grpo_advantages(rewards, groups, 3, std_normalization=False)
-    assert torch.allclose(centred, torch.tensor([0.5, -0.5, 0.0, 0.0, 1.0, -1.0]))
-
-    # Shards split every group; summing their statistics gives the single-process answer.
-    a, b = [0, 2, 4], [1, 3, 5]
-    seen = {}
-    grpo_advantages(rewards[b], groups[b], 3, all_reduce=lambda s: seen.setdefault("b", s.clone()))
-    shard = grpo_advantages(rewards[a], groups[a], 3, all_reduce=lambda s: s + seen["b"])
-    assert torch.allclose(shard, full[a], atol=1e-6)
-    with pytest.raises(ValueError, match="must be equal 1-D"):
-        grpo_advantages(rewards, groups[:2], 3)
-
-
-# --------------------------------------------------------------- training
-
-
 def test_training_raises_log_prob_of_rewarded_responses(hf_dir, tmp_path):
     actor, start_id = start(make_args(hf_dir, tmp_path))
     assert start_id == 0
@@ -202,6 +181,38 @@ def test_schedule_from_the_batch_builder_gives_one_step_per_global_batch(hf_dir,
     data["num_microbatches"] = [1, 2]
     with pytest.raises(ValueError, match="inconsistent training schedule"):
         actor.train_from_data(1, data)
+
+
+def test_an_optimizer_step_without_signal_is_skipped(hf_dir, tmp_path):
+    actor, _ = start(make_args(hf_dir, tmp_path))
+    data = make_batch()
+    data.update(partition=[0, 1, 2, 3], global_batch_sizes=[2, 2], num_microbatches=[1, 1])
+    data["micro_batch_indices"] = [[0, 1], [2, 3]]
+    actor.train_from_data(0, data)  # builds AdamW momentum
+    data["rewards"] = [0.0, 0.0, 0.0, 0.0]
+    weights = params(actor)
+    metrics = actor.train_from_data(1, data)
+    assert metrics["train/steps"] == 0.0 and metrics["train/skipped_steps"] == 2.0
+    assert actor.global_step == 2, "a skipped step is no optimizer step"
+    assert all(torch.equal(weights[k], v) for k, v in params(actor).items()), "momentum moved the weights"
+
+    data["rewards"] = [0.0, 0.0, 1.0, 0.0]  # only the second step has signal
+    metrics = actor.train_from_data(2, data)
+    assert metrics["train/steps"] == 1.0 and metrics["train/skipped_steps"] == 1.0 and actor.global_step == 3
+
+
+def test_engine_log_probs_are_compared_with_the_trainers(hf_dir, tmp_path):
+    actor, _ = start(make_args(hf_dir, tmp_path))
+    data = make_batch()
+    from slime.plugins.torch_backend import _Batch
+
+    same = actor._frozen_log_probs(actor.model, _Batch.from_data(data), [[0, 1, 2, 3]])
+    data["rollout_log_probs"] = [lp.tolist() for lp in same]
+    assert actor.train_from_data(0, data)["train/rollout_logprob_abs_diff"] == pytest.approx(0.0, abs=1e-6)
+    data = make_batch()
+    data["rollout_log_probs"] = [(lp - 0.5).tolist() for lp in same]  # as if the engines ran other weights
+    assert actor.train_from_data(1, data)["train/rollout_logprob_abs_diff"] > 0.1
+    assert "train/rollout_logprob_abs_diff" not in actor.train_from_data(2, make_batch())
 
 
 def test_bad_training_data_is_rejected_with_the_reason(hf_dir, tmp_path):

@@ -108,6 +108,27 @@ def _plan_changes(stored: dict, identity: dict) -> str:
     return ", ".join(changes) or "the plan format"
 
 
+def normalize_group_rewards(raw: list[float], group: int, *, std_normalization: bool) -> list[float]:
+    """Each reward minus its prompt group's mean (consecutive runs of `group` samples), divided by the group's
+    sample std (+1e-6) when `std_normalization`: the GRPO advantage every sample of a batch trains with.
+
+    A group whose rewards are all equal carries no signal and gets exactly 0. Computed in float64: in float32
+    the mean of eight equal rewards of 2/3 is off by 6e-8, which the std division (by 1e-6) would blow up
+    to an advantage of 0.06 on every sample, reinforcing whatever the group answered.
+    """
+    import torch
+
+    if len(raw) % group:
+        raise ValueError(f"{len(raw)} samples cannot be grouped by --n-samples-per-prompt {group}")
+    rewards = torch.tensor(raw, dtype=torch.float64).view(-1, group)
+    centered = rewards - rewards.mean(dim=-1, keepdim=True)
+    if std_normalization and group > 1:
+        centered = centered / (rewards.std(dim=-1, keepdim=True) + 1e-6)
+    constant = rewards.amax(dim=-1) == rewards.amin(dim=-1)
+    centered[constant] = 0.0
+    return centered.flatten().tolist()
+
+
 class BatchBuilder:
     """Plans, converts and shards one training batch per rollout step (see the module docstring)."""
 
@@ -199,16 +220,9 @@ class BatchBuilder:
         estimator = getattr(args, "advantage_estimator", None)
         if not (getattr(args, "rewards_normalization", False) and estimator in _GROUP_NORMALIZED):
             return raw, list(raw)
-        import torch
-
         group = getattr(args, "n_samples_per_prompt", None) or 1
-        if len(raw) % group:
-            raise ValueError(f"{len(raw)} samples cannot be grouped by --n-samples-per-prompt {group}")
-        rewards = torch.tensor(raw, dtype=torch.float32).view(-1, group)
-        rewards = rewards - rewards.mean(dim=-1, keepdim=True)
-        if estimator in _STD_NORMALIZED and getattr(args, "grpo_std_normalization", False):
-            rewards = rewards / (rewards.std(dim=-1, keepdim=True) + 1e-6)
-        return raw, rewards.flatten().tolist()
+        scale = estimator in _STD_NORMALIZED and getattr(args, "grpo_std_normalization", False)
+        return raw, normalize_group_rewards(raw, group, std_normalization=scale)
 
     @staticmethod
     def _check_top_p(sample: Sample) -> None:
