@@ -150,5 +150,14 @@ def slime_after_train_step(args: argparse.Namespace, rollout_id: int, metrics: d
 
 
 @hookspec
+def slime_step_end(args: argparse.Namespace, rollout_id: int, metrics: dict[str, Any]) -> None:
+    """Observer: a rollout step is done (trained, checkpointed when due, weights sent to the engines).
+
+    `metrics` holds the driver's phase times in seconds: `perf/train_time`, `perf/save_time` (steps that
+    saved), `perf/update_weights_time` and `perf/step_time` (the whole step). Called by the driver.
+    """
+
+
+@hookspec
 def slime_checkpoint_committed(args: argparse.Namespace, rollout_id: int, path: str) -> None:
     """Observer: a checkpoint of `rollout_id` is durable at `path`. Called by the driver; results ignored."""

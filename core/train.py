@@ -21,6 +21,7 @@ if __name__ == "__main__":
     sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != _here]
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ from slime.data.checkpoint import save_checkpoint
 from slime.data.data_source import prompt_record_keys, read_prompt_records
 from slime.data.transport import resolve_rollout_data_dir, use_straw
 from slime.observability.logging_utils import configure_logger, finish_tracking, init_tracking
+from slime.observability.phase_timer import PhaseTimer
 from slime.ray.placement_group import create_placement_groups, create_rollout_manager, create_training_models
 from slime.utils.arguments import parse_args
 from slime.utils.hf_checkpoint import validate_hf_checkpoint_dir
@@ -83,6 +85,8 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
         ray.get(rollout_manager.onload_kv.remote())
 
     for rollout_id in range(args.start_rollout_id, args.num_rollout):
+        timer = PhaseTimer()
+        step_started = time.perf_counter()
         if eval_interval is not None and rollout_id == 0 and not getattr(args, "skip_eval_before_train", False):
             ray.get(rollout_manager.eval.remote(rollout_id))
 
@@ -98,26 +102,28 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
         actor_trains = not use_critic or rollout_id >= getattr(args, "num_critic_only_steps", 0)
         value_refs = critic_model.async_train(rollout_id, rollout_data_ref) if use_critic else None
         results = None
-        if actor_trains:
-            results = ray.get(actor_model.async_train(rollout_id, rollout_data_ref, external_data=value_refs))
-        if value_refs is not None:
-            critic_results = ray.get(value_refs)
-            results = results if actor_trains else critic_results
+        with timer.phase("train"):
+            if actor_trains:
+                results = ray.get(actor_model.async_train(rollout_id, rollout_data_ref, external_data=value_refs))
+            if value_refs is not None:
+                critic_results = ray.get(value_refs)
+                results = results if actor_trains else critic_results
         ray.get(rollout_manager.training_completed.remote(rollout_id))
         observers.call("slime_after_train_step", args=args, rollout_id=rollout_id, metrics=_train_metrics(results))
 
         if release_train or should_run_periodic_action(
             rollout_id, getattr(args, "save_interval", None), num_rollout_per_epoch, args.num_rollout
         ):
-            save_checkpoint(
-                args,
-                rollout_id,
-                actor_model,
-                critic_model,
-                rollout_manager,
-                actor_trains=actor_trains,
-                restore_plan=restore_plan,
-            )
+            with timer.phase("save"):
+                save_checkpoint(
+                    args,
+                    rollout_id,
+                    actor_model,
+                    critic_model,
+                    rollout_manager,
+                    actor_trains=actor_trains,
+                    restore_plan=restore_plan,
+                )
             observers.call("slime_checkpoint_committed", args=args, rollout_id=rollout_id, path=str(args.save))
 
         if offload_train:
@@ -128,7 +134,8 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
         if offload_rollout:
             ray.get(rollout_manager.onload_weights.remote())
         was_paused = ray.get(rollout_manager.pause_rollout_admission.remote())
-        actor_model.update_weights()
+        with timer.phase("update_weights"):
+            actor_model.update_weights()
         if was_paused and rollout_id + 1 < args.num_rollout:
             ray.get(rollout_manager.resume_rollout_admission.remote())
         if offload_rollout:
@@ -136,6 +143,8 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
 
         if should_run_periodic_action(rollout_id, eval_interval, num_rollout_per_epoch):
             ray.get(rollout_manager.eval.remote(rollout_id))
+        timer.seconds["step"] = time.perf_counter() - step_started
+        observers.call("slime_step_end", args=args, rollout_id=rollout_id, metrics=timer.metrics())
 
     ray.get(rollout_manager.dispose.remote())
 

@@ -3,10 +3,10 @@
 Driven by the driver's lifecycle hooks. Rollout metrics (reward, time) are written to `<save>/metrics.jsonl`
 by the rollout manager (through `--metrics-dir`, which this plugin points at the logical `--save` directory:
 a resumed run saves into a new branch directory, and its lines must continue the same file). This plugin
-adds the trainers' metrics, step times and commits to that file, shows a tqdm bar over the run's steps
-(reward mean, step time, last commit), and at the last step draws `<save>/reward_curve.png` from every
-run's lines (a step trained again after a crash counts with its latest line) and prints where everything
-was written.
+adds the trainers' metrics, the driver's phase times (`perf/*`) and commits to that file, shows a tqdm bar
+over the run's steps (reward mean, step time, last commit), and at the last step draws
+`<save>/reward_curve.png` from every run's lines (a step trained again after a crash counts with its latest
+line) and prints where everything was written.
 """
 
 from __future__ import annotations
@@ -14,13 +14,11 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from slime import hookimpl
 from slime.observability.logging_utils import log_metrics, metrics_path
-from slime.utils.misc import should_run_periodic_action
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +80,6 @@ class RunReport:
         self.bar = tqdm(
             total=args.num_rollout, initial=start, desc="rollout", unit="step", file=sys.stderr, dynamic_ncols=True
         )
-        self.step_started = time.monotonic()
         self.last_commit: tuple[int, str] | None = None
         self.postfix: dict[str, str] = {}
         self.finished = False
@@ -103,34 +100,29 @@ class RunReport:
         self._show(refresh=True)
 
     def after_train_step(self, rollout_id: int, metrics: dict[str, Any]) -> None:
-        elapsed = time.monotonic() - self.step_started
-        self.step_started = time.monotonic()
         train = {
             key if "/" in key else f"train/{key}": value
             for key, value in metrics.items()
             if isinstance(value, (int, float)) and not isinstance(value, bool)
         }
-        log_metrics(self.args, rollout_id, {**train, "perf/step_time": elapsed})
-        self.postfix["step_time"] = f"{elapsed:.1f}s"
-        self._show(refresh=False)
-        self.bar.update(1)
-        if rollout_id + 1 >= self.args.num_rollout and not self._checkpoint_due(rollout_id):
-            self.finish()
+        if train:
+            log_metrics(self.args, rollout_id, train)
 
     def checkpoint_committed(self, rollout_id: int, path: str) -> None:
         self.last_commit = (rollout_id, path)
         log_metrics(self.args, rollout_id, {"checkpoint/committed": rollout_id})
         self.postfix["committed"] = str(rollout_id)
         self._show(refresh=True)
+
+    def step_end(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        """The driver's phase times go to the metrics; the bar advances; the last step closes the run."""
+        log_metrics(self.args, rollout_id, metrics)
+        if "perf/step_time" in metrics:
+            self.postfix["step_time"] = f"{metrics['perf/step_time']:.1f}s"
+        self._show(refresh=False)
+        self.bar.update(1)
         if rollout_id + 1 >= self.args.num_rollout:
             self.finish()
-
-    def _checkpoint_due(self, rollout_id: int) -> bool:
-        interval = getattr(self.args, "save_interval", None)
-        return bool(getattr(self.args, "save", None)) and (
-            getattr(self.args, "release_train", False)
-            or should_run_periodic_action(rollout_id, interval, None, self.args.num_rollout)
-        )
 
     def finish(self) -> None:
         """Close the bar, draw the reward curve and print where the run's outputs are."""
@@ -190,6 +182,11 @@ def slime_after_rollout(args: Any, rollout_id: int, metrics: dict[str, Any]) -> 
 @hookimpl
 def slime_after_train_step(args: Any, rollout_id: int, metrics: dict[str, Any]) -> None:
     _report(args).after_train_step(rollout_id, metrics)
+
+
+@hookimpl
+def slime_step_end(args: Any, rollout_id: int, metrics: dict[str, Any]) -> None:
+    _report(args).step_end(rollout_id, metrics)
 
 
 @hookimpl

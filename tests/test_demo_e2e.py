@@ -7,65 +7,25 @@ the run from what it left on disk: joint commit markers, the batch builder's con
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from slime.observability.phase_timer import PhaseTimer
 from slime.plugins.demo import DEMO_GLOBAL_BATCH_SIZE, prepare_demo_files
-from slime.plugins.demo_report import plot_reward_curve, read_metrics, reward_by_step
+from slime.plugins.demo_report import RunReport, plot_reward_curve, read_metrics, reward_by_step
 from slime.utils.arguments import parse_args
+from slime.utils.external_utils.slime_run_process import SlimeRunProcess
 
 NUM_ROLLOUT = 4
 RUN_TIMEOUT_S = 240
 
 
-def _command(save: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "slime.cli",
-        "--plugin",
-        "straw",
-        "--num-rollout",
-        str(NUM_ROLLOUT),
-        "--save-interval",
-        "1",
-        "--save",
-        str(save),
-    ]
-
-
-def _start(save: Path, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    handle = open(log, "ab")  # noqa: SIM115 - closed by the caller through the process
-    return subprocess.Popen(
-        _command(save), stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=save.parent, start_new_session=True
-    )
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait(timeout=30)
-
-
-def _finish(process: subprocess.Popen, log: Path) -> None:
-    try:
-        returncode = process.wait(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        _kill_group(process)
-        pytest.fail(f"slime-run did not finish in {RUN_TIMEOUT_S}s; log tail:\n{log.read_text()[-4000:]}")
-    # Ray's helper processes may outlive the driver in its session; never leave them running.
-    _kill_group(process)
-    assert returncode == 0, f"slime-run exited {returncode}; log tail:\n{log.read_text()[-4000:]}"
+def _start(save: Path, log: Path) -> SlimeRunProcess:
+    args = ["--plugin", "straw", "--num-rollout", str(NUM_ROLLOUT), "--save-interval", "1", "--save", str(save)]
+    return SlimeRunProcess(args, log, cwd=save.parent)
 
 
 def _branches(save: Path) -> list[Path]:
@@ -163,12 +123,43 @@ def test_report_reads_torn_metrics_and_keeps_the_latest_reward_per_step(tmp_path
     assert read_metrics(tmp_path / "missing.jsonl") == []
 
 
+def test_phase_timer_adds_up_repeated_phases_and_names_them_as_metrics() -> None:
+    timer = PhaseTimer()
+    with timer.phase("store"):
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError), timer.phase("store"):
+        raise RuntimeError("the time was spent all the same")
+    with timer.phase("train"):
+        pass
+    metrics = timer.metrics()
+    assert set(metrics) == {"perf/store_time", "perf/train_time"}
+    assert metrics["perf/store_time"] >= 0.01 and metrics["perf/train_time"] >= 0.0
+
+
+def test_report_logs_phase_times_and_closes_at_the_last_step(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    args = SimpleNamespace(num_rollout=2, start_rollout_id=0, save=str(tmp_path), metrics_dir=str(tmp_path))
+    report = RunReport(args)
+    report.after_rollout(0, {"rollout/reward": 0.25})
+    report.after_train_step(0, {"train/loss": 0.5, "note": "not a number"})
+    report.step_end(0, {"perf/step_time": 1.5, "perf/train_time": 1.0})
+    assert not report.finished
+    report.after_rollout(1, {"rollout/reward": 0.75})
+    report.checkpoint_committed(1, str(tmp_path))
+    report.step_end(1, {"perf/step_time": 1.25})
+    assert report.finished
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert {"step": 0, "perf/step_time": 1.5, "perf/train_time": 1.0}.items() <= records[1].items()
+    assert "note" not in records[0] and records[0]["train/loss"] == 0.5
+    output = capsys.readouterr().out
+    assert "slime-run finished" in output and "last commit:  step 1  (complete" in output
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     save = tmp_path / "run"
     log = tmp_path / "run.log"
-    _finish(_start(save, log), log)
+    _start(save, log).finish(RUN_TIMEOUT_S)
 
     _assert_trained_once(save)
     steps = [step for step, _ in _rewards(save)]
@@ -187,16 +178,16 @@ def test_killed_demo_resumes_from_last_joint_commit(tmp_path: Path) -> None:
     first = _start(save, log)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not list((save / "rollout").glob("committed_*.json")):
-        assert first.poll() is None, f"first run ended before its first commit:\n{log.read_text()[-4000:]}"
+        assert first.poll() is None, f"first run ended before its first commit:\n{first.log_tail()}"
         assert time.monotonic() < deadline, "no joint commit appeared in time"
         time.sleep(0.2)
-    _kill_group(first)
+    first.kill()
     committed_before = sorted(_commits(save))
     last = committed_before[-1]
     assert last < NUM_ROLLOUT - 1, "the kill came too late to test a resume"
     rewards_before = _rewards(save)[: last + 1]
 
-    _finish(_start(save, log), log)
+    _start(save, log).finish(RUN_TIMEOUT_S)
 
     _assert_trained_once(save)
     rewards = _rewards(save)

@@ -21,6 +21,7 @@ from slime.data.refs import DiskPayloadRef
 from slime.data.transport import accept_raw_rollout, check_rollout_storage, load_rollout_samples, use_straw
 from slime.observability import logging_utils
 from slime.observability.logging_utils import configure_logger, init_tracking, log_eval_rollout_data, log_rollout_data
+from slime.observability.phase_timer import PhaseTimer
 from slime.observability.rollout_data_utils import (
     load_debug_rollout_data,
     save_debug_rollout_data,
@@ -211,10 +212,12 @@ class RolloutManager:
         log_eval_rollout_data(rollout_id, args, result.data, result.metrics)
 
     def _generate(self, rollout_id: int, start_time: float) -> Any:
+        """Generate, convert and store one step; its rollout metrics line carries the phase times."""
         self._publish_engine_urls()  # engines may have been relaunched since the last step
         args = self.args
         straw = use_straw(args)
-        data, metrics = self._get_rollout_data(rollout_id)
+        timer = PhaseTimer()
+        data, metrics = self._get_rollout_data(rollout_id, timer)
         save_debug_rollout_data(
             getattr(args, "save_debug_rollout_data", None),
             data,
@@ -223,42 +226,53 @@ class RolloutManager:
             args=args,
             reference=self.batch_builder.raw_ref if straw else None,
         )
-        log_rollout_data(rollout_id, args, data, metrics, time.time() - start_time)
-        if getattr(args, "debug_rollout_only", False):
-            return None
-        cached = self.batch_builder.begin(data, replay=bool(getattr(args, "load_debug_rollout_data", None)))
-        if cached is not None:
-            return cached
-        converted = self.batch_builder.convert(data)
-        if straw:
-            converted = self.batch_builder.publish_converted(converted)
-        return self.batch_builder.split_by_dp(converted)
+        result = None
+        if not getattr(args, "debug_rollout_only", False):
+            result = self._build_batch(data, straw, timer)
+        log_rollout_data(rollout_id, args, data, {**(metrics or {}), **timer.metrics()}, time.time() - start_time)
+        return result
 
-    def _get_rollout_data(self, rollout_id: int) -> tuple[list, dict | None]:
+    def _build_batch(self, data: list, straw: bool, timer: PhaseTimer) -> Any:
+        """Per-rank training references of this step's batch (a replayed step reuses its stored batch)."""
+        with timer.phase("convert"):
+            cached = self.batch_builder.begin(data, replay=bool(getattr(self.args, "load_debug_rollout_data", None)))
+            if cached is not None:
+                return cached
+            converted = self.batch_builder.convert(data)
+        with timer.phase("store"):
+            if straw:
+                converted = self.batch_builder.publish_converted(converted)
+            return self.batch_builder.split_by_dp(converted)
+
+    def _get_rollout_data(self, rollout_id: int, timer: PhaseTimer) -> tuple[list, dict | None]:
         """This step's Samples (flat list) and the rollout function's metrics."""
         args = self.args
         straw = use_straw(args)
         template = getattr(args, "load_debug_rollout_data", None)
         subsample = getattr(args, "load_debug_rollout_data_subsample", None)
         if template and straw and _is_straw_archive(template) and not subsample:
-            return self._replay_archive(template, rollout_id), None
+            with timer.phase("store"):
+                return self._replay_archive(template, rollout_id), None
         if template:
-            data = load_debug_rollout_data(template, rollout_id=rollout_id, subsample_ratio=subsample)
+            with timer.phase("store"):
+                data = load_debug_rollout_data(template, rollout_id=rollout_id, subsample_ratio=subsample)
             self.batch_builder.raw_ref = None
             return self._flatten(validate_rollout_id_annotated(data)), None
-        output = call_rollout_fn(self.generate_rollout, args, rollout_id, self.data_source, evaluation=False)
-        if straw:
-            samples = getattr(output, "samples", None)
-            accepted = accept_raw_rollout(output, args, rollout_id, controller=self.controller)
-            self.batch_builder.raw_ref = accepted
-            metrics = accepted.metrics
-            if isinstance(samples, list) and not any(isinstance(s, DiskPayloadRef) for s in samples):
-                data = samples
+        with timer.phase("generate"):
+            output = call_rollout_fn(self.generate_rollout, args, rollout_id, self.data_source, evaluation=False)
+        with timer.phase("store"):
+            if straw:
+                samples = getattr(output, "samples", None)
+                accepted = accept_raw_rollout(output, args, rollout_id, controller=self.controller)
+                self.batch_builder.raw_ref = accepted
+                metrics = accepted.metrics
+                if isinstance(samples, list) and not any(isinstance(s, DiskPayloadRef) for s in samples):
+                    data = samples
+                else:
+                    data = load_rollout_samples(accepted)
             else:
-                data = load_rollout_samples(accepted)
-        else:
-            metrics = output.metrics
-            data = load_rollout_samples(output.samples)
+                metrics = output.metrics
+                data = load_rollout_samples(output.samples)
         return self._flatten(validate_rollout_id_annotated(data)), metrics
 
     def _replay_archive(self, template: str, rollout_id: int) -> list:
