@@ -102,18 +102,30 @@ def test_rank_never_opens_another_ranks_tensors(durable, monkeypatch):
     builder.begin(samples)
     monkeypatch.setattr(module, "build_dp_schedule", lambda *a, **kw: ([[0], [1]], [[[0]], [[0]]], [1], [2]))
     refs = builder.split_by_dp(builder.convert(samples))
-    loaded = []
-    original = straw.tensor.TensorRef.load
+    loaded, read_bytes = [], []
+    original_load = straw.tensor.TensorRef.load
 
     def counting_load(self, *a, **kw):
         loaded.append(tuple(self.shape))
-        return original(self, *a, **kw)
+        return original_load(self, *a, **kw)
+
+    import slime.data.codec as codec
+
+    original_range = codec._Decoder.read_byte_ranges
+
+    def counting_ranges(self, ranges):
+        read_bytes.append(sum(stop - start for start, stop in ranges))
+        return original_range(self, ranges)
 
     monkeypatch.setattr(straw.tensor.TensorRef, "load", counting_load)
+    monkeypatch.setattr(codec._Decoder, "read_byte_ranges", counting_ranges)
     batch = process_rollout_data(refs, 0, 2)
     assert batch["tokens"][0].tolist() == [1, 2] and batch["loss_masks"][0].tolist() == [1]
     assert batch["total_lengths"] == [2] and batch["global_total_lengths"] == [2, 5]
-    assert loaded and (5,) not in loaded and (4,) not in loaded  # sample 1's tokens / loss mask stay unread
+    # Small tensors live in the bytes arena: rank 0 reads only its own sample's slices (2 int64 tokens, a 1-token
+    # mask, ...: 28 bytes), never sample 1's (5 int64 tokens alone are 40 bytes), and no tensor record of theirs.
+    assert read_bytes and sum(read_bytes) < 5 * 8, read_bytes
+    assert (5,) not in loaded and (4,) not in loaded
     assert batch["local_raw_reward"] == [1.0]
 
 

@@ -15,6 +15,7 @@ from straw.protocol import Record, RecordSetRef, decode, encode
 from straw.store import SharedFilesystemStore
 from straw.tensor import TensorRef
 
+from slime.data import codec as codec_module
 from slime.data.codec import CODECS, SampleCodec
 from slime.data.transport import DiskPayloadRef, RolloutGroupRef, pack_rollout_payload, rollout_store
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput
@@ -31,11 +32,7 @@ def round_trip(value, args):
 
 
 def record_payload(reference: DiskPayloadRef) -> bytes:
-    store = reference.reader_store()
-    try:
-        [record] = list(store.read(reference.manifest))
-    finally:
-        store.close()
+    [record] = list(reference.reader_store().read(reference.manifest))
     return bytes(record.payload)
 
 
@@ -337,3 +334,29 @@ def test_routed_experts_are_published_from_the_samples_own_tensor(args, monkeypa
     transposed.rollout_routed_experts = torch.arange(16, dtype=torch.int32).reshape(4, 2, 2).transpose(0, 2)
     restored = round_trip(transposed, args).rollout_routed_experts.load()
     assert torch.equal(restored, transposed.rollout_routed_experts)
+
+
+def test_small_tensors_share_one_arena_record_and_round_trip(args):
+    shared = torch.arange(6).reshape(2, 3)
+    value = {
+        "tokens": [torch.arange(n) for n in (3, 5, 1)],
+        "mask": torch.tensor([True, False, True]),
+        "half": torch.ones(3, dtype=torch.bfloat16),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        "transposed": shared.t(),
+        "same": [shared, shared],
+        "large": torch.zeros(codec_module.SMALL_TENSOR_BYTES // 4 + 1),
+    }
+    reference = pack_rollout_payload(value, args, 0)
+    manifest = reference.reader_store().manifest(reference.manifest)
+    # One publication of tensor records: the bytes arena and the one tensor above the size limit.
+    [blobs] = [RecordSetRef.from_dict(dep) for dep in manifest["dependencies"]]
+    assert len(list(reference.reader_store().read(blobs))) == 2
+    restored = reference.load()
+    for key in ("mask", "half", "scalar", "empty", "transposed", "large"):
+        assert restored[key].dtype == value[key].dtype and torch.equal(restored[key], value[key]), key
+    assert [t.tolist() for t in restored["tokens"]] == [[0, 1, 2], [0, 1, 2, 3, 4], [0]]
+    assert restored["same"][0] is restored["same"][1], "one tensor stored twice decodes as one tensor"
+    restored["tokens"][0].add_(1)  # decoded tensors own writable memory
+    assert reference.load()["tokens"][0].tolist() == [0, 1, 2]

@@ -15,6 +15,7 @@ Tree nodes are lists `[tag, ...]`; `None`, `str`, `bool`, `int` and finite float
     ["dynamic-filter", dict node]   ["dict", [[key, value], ...]]   ["list", [...]]   ["tuple", [...]]
     ["image-png", base64 PNG]
     ["numbers", "list"|"tuple", "int"|"float", start, stop]
+    ["small-tensor", dtype, shape, start, stop]
 
 A list or tuple of at least `NUMBERS_MIN` elements that are all exactly `int` (within int64) or all exactly
 `float` (token ids, log-probs, loss masks) is not written into the JSON tree: its values go into one of two
@@ -23,6 +24,11 @@ tensor node}`; int32 when every int fits, else int64; float64, so every float ro
 its node names the element range. Decoding reads each arena once, when the first such node is visited, and
 returns lists (or tuples) of the same Python types. Encoding such lists as JSON used to dominate the
 publication of rollout-shaped Samples (see docs/benchmarks.md).
+
+Likewise a (non-lazy) tensor of at most `SMALL_TENSOR_BYTES` bytes gets no tensor record of its own: its raw
+bytes go into the `"bytes"` arena (uint8, each slice 8-byte aligned) and its node names dtype, shape and the
+byte range. A converted training batch holds a few small tensors per sample (tokens, loss masks); as records
+each was a separate checked read when a trainer loaded its shard.
 
 With `args.rollout_data_compression == "zstd"` the record payload is a zstd frame (recognised by its magic
 number on load) instead of plain JSON bytes.
@@ -66,8 +72,14 @@ _TOP_K_FIELDS = ("rollout_topk_token_ids", "rollout_topk_log_probs")
 _TOP_P_FIELDS = ("rollout_top_p_token_ids", "rollout_top_p_token_offsets", "rollout_top_p_log_probs")
 #: Shorter numeric lists stay in the JSON tree (an arena slice is not worth it for a handful of values).
 NUMBERS_MIN = 16
+#: Tensors up to this size share the bytes arena instead of getting a tensor record each.
+SMALL_TENSOR_BYTES = 64 * 1024
+_SMALL_TENSOR_DTYPES = frozenset(
+    (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+    + (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+)
 _INT32 = np.iinfo(np.int32)
-_NUMBER_DTYPES = {"int": ("int32", "int64"), "float": ("float64",)}
+_NUMBER_DTYPES = {"int": ("int32", "int64"), "float": ("float64",), "bytes": ("uint8",)}
 
 
 @dataclasses.dataclass
@@ -82,8 +94,10 @@ class _Encoding:
     aliases: dict[tuple, list] = dataclasses.field(default_factory=dict)
     keep_alive: list[Any] = dataclasses.field(default_factory=list)
     active: set[int] = dataclasses.field(default_factory=set)
-    numbers: dict[str, list[np.ndarray]] = dataclasses.field(default_factory=lambda: {"int": [], "float": []})
-    number_sizes: dict[str, int] = dataclasses.field(default_factory=lambda: {"int": 0, "float": 0})
+    numbers: dict[str, list[np.ndarray]] = dataclasses.field(
+        default_factory=lambda: {"int": [], "float": [], "bytes": []}
+    )
+    number_sizes: dict[str, int] = dataclasses.field(default_factory=lambda: {"int": 0, "float": 0, "bytes": 0})
     tokens: int = 0
 
     def dependency(self, ref: RecordSetRef) -> int:
@@ -217,6 +231,8 @@ class SampleCodec:
                 return value
             return ["float", "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")]
         if isinstance(value, torch.Tensor):
+            if value.nbytes <= SMALL_TENSOR_BYTES and value.dtype in _SMALL_TENSOR_DTYPES:
+                return self._small_tensor_node(value, state)
             return self._tensor_node(value, state, lazy=False)
         if isinstance(value, TensorRef):
             return self._tensor_node(value, state, lazy=True, kind=value.kind, validated=value.validated)
@@ -325,6 +341,26 @@ class SampleCodec:
         state.numbers[kind].append(array)
         state.number_sizes[kind] = start + len(array)
         return ["numbers", "list" if isinstance(value, list) else "tuple", kind, start, start + len(array)]
+
+    @staticmethod
+    def _small_tensor_node(value: torch.Tensor, state: _Encoding) -> list:
+        """A byte-arena slice holding a small tensor's raw bytes (see the module docstring)."""
+        key = (id(value), "small")
+        if key in state.aliases:
+            return state.aliases[key]
+        state.keep_alive.append(value)
+        tensor = value.detach().cpu().contiguous()
+        raw = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else np.empty(0, dtype=np.uint8)
+        start = state.number_sizes["bytes"]
+        padding = -len(raw) % 8
+        state.numbers["bytes"].append(raw)
+        if padding:
+            state.numbers["bytes"].append(np.zeros(padding, dtype=np.uint8))
+        state.number_sizes["bytes"] = start + len(raw) + padding
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        node = ["small-tensor", dtype, list(tensor.shape), start, start + len(raw)]
+        state.aliases[key] = node
+        return node
 
     def _number_arenas(self, state: _Encoding) -> dict[str, list]:
         """The tensor nodes of the int and float arenas that `_numbers_node` filled (none when empty)."""
@@ -451,6 +487,7 @@ class SampleCodec:
         tree = document["tree"]
         if selection is None:
             return decoder.visit(tree)
+        decoder.whole_arenas = False
         return decoder.select(tree, selection)
 
 
@@ -462,6 +499,9 @@ class _Decoder:
         self.members: dict[int, dict[int, TensorRef]] = {}
         self.aliases: dict[tuple[str, bool], Any] = {}
         self.number_nodes, self.arenas = numbers, {}
+        self.byte_ranges: list[tuple[int, int, Any]] = []
+        #: A full decode reads each arena whole; a column selection reads only the byte ranges it needs.
+        self.whole_arenas = True
 
     def dependency(self, index: Any) -> RecordSetRef:
         if type(index) is not int or not 0 <= index < len(self.dependencies):
@@ -480,6 +520,7 @@ class _Decoder:
             if indices is None:
                 result[key] = self.visit(value_node)
             elif isinstance(value_node, list) and value_node and value_node[0] in ("list", "tuple"):
+                self.prefetch_small([value_node[1][i] for i in indices])
                 items = [self.visit(value_node[1][i]) for i in indices]
                 result[key] = tuple(items) if value_node[0] == "tuple" else items
             elif isinstance(value_node, list) and value_node and value_node[0] == "numbers":
@@ -507,6 +548,8 @@ class _Decoder:
                 return tuple(self.visit(item) for item in node[1])
             if tag == "numbers":
                 return self.numbers(node)
+            if tag == "small-tensor":
+                return self.small_tensor(node)
             if tag == "float":
                 return float(node[1])
             if tag == "tensor":
@@ -574,6 +617,60 @@ class _Decoder:
             raise CorruptData(f"slime.v1 numbers node range {start!r}:{stop!r} is outside the {kind} arena")
         items = values[start:stop].tolist()
         return items if container == "list" else tuple(items)
+
+    def small_tensor(self, node: list) -> torch.Tensor:
+        _, dtype, shape, start, stop = node
+        key = ("small", start, stop, dtype)
+        if key in self.aliases:
+            return self.aliases[key]
+        torch_dtype = getattr(torch, dtype, None)
+        if torch_dtype not in _SMALL_TENSOR_DTYPES:
+            raise CorruptData(f"slime.v1 small-tensor node has unknown dtype {dtype!r}")
+        raw = bytearray(self.arena_bytes(start, stop))
+        flat = torch.frombuffer(raw, dtype=torch_dtype) if raw else torch.empty(0, dtype=torch_dtype)
+        tensor = self.aliases[key] = flat.reshape(shape)
+        return tensor
+
+    def arena_bytes(self, start: Any, stop: Any) -> bytes:
+        """Bytes `start:stop` of the bytes arena: from the whole arena when a full decode read it, from a
+        range `prefetch_small` read, or else read on their own (a column selection reads only its rows)."""
+        if type(start) is not int or type(stop) is not int or not 0 <= start <= stop:
+            raise CorruptData(f"slime.v1 small-tensor node range {start!r}:{stop!r} is invalid")
+        if self.whole_arenas or "bytes" in self.arenas:
+            values = self.arena("bytes")
+            if stop > len(values):
+                raise CorruptData(f"slime.v1 small-tensor node range {start}:{stop} is outside the bytes arena")
+            return values[start:stop].tobytes()
+        for first, last, payload in self.byte_ranges:
+            if first <= start and stop <= last:
+                return bytes(payload[start - first : stop - first])
+        self.read_byte_ranges([(start, stop)])
+        return self.arena_bytes(start, stop)
+
+    def prefetch_small(self, nodes: list) -> None:
+        """Read the arena bytes of these nodes' small tensors, each run of adjacent slices in one read."""
+        wanted = sorted({(n[3], n[4]) for n in nodes if isinstance(n, list) and n and n[0] == "small-tensor"})
+        if wanted and not self.whole_arenas and "bytes" not in self.arenas:
+            self.read_byte_ranges(wanted)
+
+    def read_byte_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        if "bytes" not in self.number_nodes:
+            raise CorruptData("slime.v1 tree uses the bytes arena but the document has none")
+        ref = self.visit(self.number_nodes["bytes"])
+        if not isinstance(ref, TensorRef) or ref.dtype != "uint8" or len(ref.shape) != 1:
+            raise CorruptData("slime.v1 bytes arena is not a 1-D uint8 tensor")
+        merged: list[list[int]] = []
+        for start, stop in ranges:
+            if stop > ref.nbytes:
+                raise CorruptData(f"slime.v1 small-tensor node range {start}:{stop} is outside the bytes arena")
+            if merged and start <= merged[-1][1] + (-merged[-1][1] % 8):  # adjacent slices (8-byte aligned)
+                merged[-1][1] = max(merged[-1][1], stop)
+            else:
+                merged.append([start, stop])
+        expected = {"shape": list(ref.shape), "dtype": ref.dtype, "length": ref.nbytes}
+        for start, stop in merged:
+            _, payload = self.reader.read_tensor_range(ref.record_ref, start, stop, expected=expected)
+            self.byte_ranges.append((start, stop, payload))
 
     def arena(self, kind: str) -> np.ndarray:
         """The `kind` number arena, read once through the reader (never through `TensorRef.load`)."""

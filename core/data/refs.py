@@ -1,18 +1,24 @@
 """Small frozen references to durable rollout payloads; they travel through Ray instead of the payloads.
 
-A reference names a straw manifest and the pool root it lives in. `load()` opens a fresh reader on that
-root (no writer, no environment variables), so any process that mounts the pool can read it, even while
-the writer is still appending to the pack. All names here are re-exported by `slime.data.transport`.
+A reference names a straw manifest and the pool root it lives in. `load()` reads through the process's
+reader on that root (no writer, no environment variables), so any process that mounts the pool can read it,
+even while the writer is still appending to the pack. All names here are re-exported by `slime.data.transport`.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from straw.protocol import CommitReceipt, RecordSetRef
+
+#: Read-only stores by (process id, pool root, run id); see `DiskPayloadRef.reader_store`.
+_readers: dict[tuple[int, str, str], Any] = {}
+_readers_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -25,29 +31,37 @@ class DiskPayloadRef:
     sample_metadata: list[dict] | None = field(default=None, kw_only=True)
 
     def reader_store(self, root: str | None = None) -> Any:
-        """A read-only store on `root` (default: the reference's own) for the manifest's run."""
+        """This process's read-only store on `root` (default: the reference's own) for the manifest's run.
+
+        One store per process, pool root and run, kept open: a reader sees records and packs its writer adds
+        later, and closing a store is not free (straw fsyncs and leaves a writer control directory behind
+        each time), which per-load stores paid on every group, batch and shard read.
+        """
         from straw.store import SharedFilesystemStore
         from straw.tensor import MAX_PUBLICATION_BYTES, MAX_TENSOR_BYTES
 
         from slime.data.codec import CODECS
 
-        return SharedFilesystemStore(
-            root or self.root,
-            self.manifest.manifest.segment.run_id,
-            codecs=CODECS,
-            max_record_bytes=MAX_TENSOR_BYTES,
-            max_buffer_bytes=MAX_PUBLICATION_BYTES,
-        )
+        root = root or self.root
+        run_id = self.manifest.manifest.segment.run_id
+        key = (os.getpid(), root, run_id)
+        with _readers_lock:
+            store = _readers.get(key)
+            if store is None:
+                store = _readers[key] = SharedFilesystemStore(
+                    root,
+                    run_id,
+                    codecs=CODECS,
+                    max_record_bytes=MAX_TENSOR_BYTES,
+                    max_buffer_bytes=MAX_PUBLICATION_BYTES,
+                )
+        return store
 
     def load(self, *, root: str | None = None, selection: dict | None = None) -> Any:
         """Decode the payload (optionally from another mount point `root` of the same pool)."""
         from slime.data.codec import SampleCodec
 
-        store = self.reader_store(root)
-        try:
-            value = SampleCodec(store).load(self.manifest, selection=selection)
-        finally:
-            store.close()
+        value = SampleCodec(self.reader_store(root)).load(self.manifest, selection=selection)
         for step in self.path:
             value = value[step] if isinstance(step, int) else getattr(value, step)
         if self.sample_metadata is not None:

@@ -244,8 +244,9 @@ class RolloutManager:
                 converted = self.batch_builder.publish_converted(converted)
             return self.batch_builder.split_by_dp(converted)
 
-    def _get_rollout_data(self, rollout_id: int, timer: PhaseTimer) -> tuple[list, dict | None]:
-        """This step's Samples (flat list) and the rollout function's metrics."""
+    def _get_rollout_data(self, rollout_id: int, timer: PhaseTimer | None = None) -> tuple[list, dict | None]:
+        """This step's Samples (flat list) and the rollout function's metrics; phase times go to `timer`."""
+        timer = timer or PhaseTimer()
         args = self.args
         straw = use_straw(args)
         template = getattr(args, "load_debug_rollout_data", None)
