@@ -297,7 +297,7 @@ def _io_semaphore(args: Any) -> asyncio.Semaphore:
     loop = asyncio.get_running_loop()
     cached = _io_semaphores.get(loop)
     if cached is None or cached[0] != os.getpid():
-        cached = (os.getpid(), asyncio.Semaphore(getattr(args, "rollout_io_concurrency", None) or 4))
+        cached = (os.getpid(), asyncio.Semaphore(getattr(args, "rollout_io_concurrency", None) or 16))
         _io_semaphores[loop] = cached
     return cached[1]
 

@@ -50,7 +50,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--rollout-storage-profile", default="local", help="straw filesystem profile (local, juicefs)")
     data.add_argument("--rollout-storage-declaration", default=None, help="JSON file declaring the storage properties")
     data.add_argument("--rollout-data-compression", choices=["none", "zstd"], default="none")
-    data.add_argument("--rollout-io-concurrency", type=int, default=4)
+    data.add_argument(
+        "--rollout-io-concurrency",
+        type=int,
+        default=16,
+        help="group publications in flight at once while generating (they wait on fsync and the queue, not the CPU)",
+    )
 
     rollout = parser.add_argument_group("rollout")
     rollout.add_argument("--hf-checkpoint", default=None, help="HF model directory (default: the built-in tiny model)")
