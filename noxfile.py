@@ -6,7 +6,7 @@ session ever downloads a CUDA build of torch: install it first with `pip install
     nox                      lint + tests + e2e (the CI default)
     nox -s "transport(straw)"  the transport conformance suite for one transport (object-store, nixl, straw)
     nox -s e2e               end-to-end CPU runs (slow)
-    nox -s bench             benchmarks/ (writes a JSON report)
+    nox -s bench             benchmarks/: transport.py and e2e.py (JSON reports under benchmarks/results/)
 """
 
 from __future__ import annotations
@@ -64,3 +64,4 @@ def e2e(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     _install(session)
     session.run("python", "-m", "benchmarks.run", *session.posargs)
+    session.run("python", "-m", "benchmarks.e2e")

@@ -199,8 +199,9 @@ def build_table(report: dict[str, Any]) -> str:
 
 
 def _machine() -> dict[str, Any]:
+    from importlib.metadata import version
+
     import ray
-    import straw
     import torch
 
     return {
@@ -211,7 +212,7 @@ def _machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "ray": ray.__version__,
-        "straw": getattr(straw, "__version__", "unknown"),
+        "straw": version("straw-queue"),
     }
 
 

@@ -13,6 +13,11 @@ REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("publish", "read", "ray", "ref_sizes", "assembly", "zstd", "memory", "profile")
 
 
+def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m ARGS` from the repository root, output captured."""
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
 def _numbers(value: object) -> list[float]:
     if isinstance(value, bool):
         return []
@@ -28,12 +33,8 @@ def _numbers(value: object) -> list[float]:
 @pytest.mark.slow
 def test_quick_benchmark_reports_every_section(tmp_path: Path) -> None:
     out = tmp_path / "tmp.json"
-    completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks.transport", "--quick", "--out", str(out), "--dir", str(tmp_path / "pools")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    completed = _run(
+        "benchmarks.transport", "--quick", "--out", str(out), "--dir", str(tmp_path / "pools"), timeout=300
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
     report = json.loads(out.read_text())
@@ -62,13 +63,34 @@ def test_quick_benchmark_reports_every_section(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("module", ["benchmarks.transport", "benchmarks.run"])
 def test_benchmark_rejects_invalid_repetitions(tmp_path: Path, module: str) -> None:
-    completed = subprocess.run(
-        [sys.executable, "-m", module, "--reps", "0", "--out", str(tmp_path / "x.json")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    completed = _run(module, "--reps", "0", "--out", str(tmp_path / "x.json"), timeout=60)
     assert completed.returncode == 2
     assert "--reps must be at least 1" in completed.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_quick_e2e_benchmark_reports_the_breakdown_ratios_and_resume(tmp_path: Path) -> None:
+    out = tmp_path / "e2e.json"
+    completed = _run("benchmarks.e2e", "--quick", "--out", str(out), "--dir", str(tmp_path), timeout=900)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    report = json.loads(out.read_text())
+    for transport in ("straw", "object-store"):
+        breakdown = report["transports"][transport]["breakdown"]
+        assert {"generate", "store", "convert", "train", "train_data_load", "update_weights", "save"} < set(breakdown)
+        assert breakdown["step"] > 0 and breakdown["generate"] > 0 and breakdown["train"] > 0, breakdown
+        assert report["transports"][transport]["measured_steps"] == 2  # 3 steps, the first left out
+    assert report["floor"]["step"] > 0
+    assert all(value > 0 for value in report["ratios"].values()), report["ratios"]
+    resume = report["resume"]
+    assert resume["resumed_from_commit"] == 1 and resume["first_new_step"] == 2
+    assert 0 < resume["kill_to_first_generation_s"] < resume["kill_to_first_step_done_s"]
+    assert "| step (mean) |" in completed.stdout and "kill to first new generation" in completed.stdout
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("slime-e2e-bench-")] == [], "runs were left behind"
+
+
+def test_e2e_benchmark_rejects_steps_that_leave_nothing_to_measure(tmp_path: Path) -> None:
+    completed = _run("benchmarks.e2e", "--steps", "2", "--warmup", "2", "--out", str(tmp_path / "x.json"), timeout=60)
+    assert completed.returncode == 2 and "--steps (2) must exceed --warmup (2)" in completed.stderr
     assert not (tmp_path / "x.json").exists()

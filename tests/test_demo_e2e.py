@@ -97,7 +97,7 @@ def test_demo_configures_a_run_without_model_or_prompts(tmp_path: Path) -> None:
     again = parse_args(["--plugin", "straw", "--save", str(save)])
     prepare_demo_files(again)
     assert (save / "prompts.jsonl").stat().st_mtime_ns == prompts, "a rerun must reuse the demo prompts"
-    assert again.num_rollout == 100 and again.global_batch_size == DEMO_GLOBAL_BATCH_SIZE
+    assert again.num_rollout == 150 and again.global_batch_size == DEMO_GLOBAL_BATCH_SIZE
 
 
 def test_demo_leaves_a_users_run_alone(tmp_path: Path) -> None:
