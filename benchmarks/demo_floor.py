@@ -41,6 +41,7 @@ class FloorConfig:
     optimizer: dict = field(default_factory=dict)
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
+    entropy_coef: float = 0.0
     seed: int = 0
     prompt_count: int = 256
 
@@ -57,6 +58,7 @@ class FloorConfig:
             "temperature": settings.get("rollout_temperature", 1.0),
             "lr": settings["lr"],
             "eps_clip_high": settings.get("eps_clip_high"),
+            "entropy_coef": settings.get("entropy_coef", 0.0),
             "global_batch_size": DEMO_GLOBAL_BATCH_SIZE,
             "prompt_count": DEMO_PROMPT_COUNT,
         }
@@ -110,19 +112,19 @@ def _generate(model: Any, tokenizer: Any, prompts: list[str], config: FloorConfi
     return sequences, responses
 
 
-def _response_log_probs(model: Any, sequences: list) -> tuple[torch.Tensor, torch.Tensor]:
-    from slime.plugins.torch_losses import pad_right, token_log_probs
+def _response_log_probs(model: Any, sequences: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Response-token log-probs, mask and entropy, right padded (as the torch backend computes them)."""
+    from slime.plugins.torch_losses import pad_right, token_log_probs_and_entropy
 
     rows = [torch.tensor(prompt + response) for prompt, response in sequences]
     lengths = [len(response) for _, response in sequences]
     tokens = pad_right(rows, value=0, dtype=torch.long)
     logits = model(input_ids=tokens).logits[:, :-1]
-    targets = tokens[:, 1:]
-    all_lp = token_log_probs(logits, targets)
-    log_probs = pad_right(
-        [all_lp[i, len(p) - 1 : len(p) - 1 + n] for i, ((p, _), n) in enumerate(zip(sequences, lengths, strict=True))]
-    )
-    return log_probs, pad_right([torch.ones(n) for n in lengths])
+    all_lp, all_entropy = token_log_probs_and_entropy(logits, tokens[:, 1:])
+    spans = [(len(prompt) - 1, n) for (prompt, _), n in zip(sequences, lengths, strict=True)]
+    log_probs = pad_right([all_lp[i, start : start + n] for i, (start, n) in enumerate(spans)])
+    entropy = pad_right([all_entropy[i, start : start + n] for i, (start, n) in enumerate(spans)])
+    return log_probs, pad_right([torch.ones(n) for n in lengths]), entropy
 
 
 def _train_step(
@@ -133,19 +135,19 @@ def _train_step(
     from slime.plugins.torch_losses import masked_mean, policy_loss
 
     with torch.no_grad():
-        old, _ = _response_log_probs(model, sequences)
+        old, _, _ = _response_log_probs(model, sequences)
     size = config.global_batch_size or len(sequences)
     norms = []
     for start in range(0, len(sequences), size):
         chunk = slice(start, start + size)
         if not advantages[chunk].ne(0).any():
             continue  # no signal: the trainer takes no optimizer step either (see TorchTrainRayActor)
-        log_probs, mask = _response_log_probs(model, sequences[chunk])
+        log_probs, mask, entropy = _response_log_probs(model, sequences[chunk])
         width = log_probs.shape[1]
         loss_tok, _ = policy_loss(
             log_probs, old[chunk, :width], advantages[chunk, None], config.eps_clip, config.eps_clip_high
         )
-        loss = masked_mean(loss_tok, mask).mean()
+        loss = masked_mean(loss_tok - config.entropy_coef * entropy, mask).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
@@ -219,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         "global_batch_size",
     ):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int)
-    for name in ("lr", "temperature", "adam_beta2", "min_lr", "eps_clip_high"):
+    for name in ("lr", "temperature", "adam_beta2", "min_lr", "eps_clip_high", "entropy_coef"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float)
     parser.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES)
     parser.add_argument("--json", help="write the per-step records here")

@@ -29,14 +29,21 @@ import torch.distributed as dist
 
 from slime import hookimpl
 from slime.plugins import torch_checkpoint as ckpt
-from slime.plugins.torch_losses import KL_ESTIMATORS, kl_penalty, masked_mean, pad_right, policy_loss, token_log_probs
+from slime.plugins.torch_losses import (
+    KL_ESTIMATORS,
+    kl_penalty,
+    masked_mean,
+    pad_right,
+    policy_loss,
+    token_log_probs_and_entropy,
+)
 from slime.plugins.torch_optim import add_optimizer_options, build_optimizer
 from slime.specs import TrainBackendSpec
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-METRIC_NAMES = ("loss", "pg_loss", "kl", "clipfrac", "ppo_ratio")
+METRIC_NAMES = ("loss", "pg_loss", "kl", "clipfrac", "ppo_ratio", "entropy")
 
 
 class TorchTrainRayActor:
@@ -93,6 +100,7 @@ class TorchTrainRayActor:
         self.model.train()
         self.ref_model = None
         self.kl_coef = float(getattr(args, "kl_coef", 0.0) or 0.0)
+        self.entropy_coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
         if with_ref or self.kl_coef != 0.0:
             ref_source = getattr(args, "ref_load", None) or self.hf_source
             self.ref_model = AutoModelForCausalLM.from_pretrained(ref_source, dtype=torch.float32).to(self.device)
@@ -216,7 +224,7 @@ class TorchTrainRayActor:
                         # Keeps DDP's gradient all-reduce in step with ranks that do have samples here.
                         trained(torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits.sum().mul(0).backward()
                         continue
-                    log_probs, mask = self._log_probs(trained, batch, indices)
+                    log_probs, mask, entropy = self._log_probs(trained, batch, indices)
                     old = pad_right([old_log_probs[i] for i in indices]).to(self.device)
                     adv = pad_right([advantages[i] for i in indices]).to(self.device)
                     pg_tok, clipped = policy_loss(log_probs, old, adv, eps_clip, eps_clip_high)
@@ -227,12 +235,16 @@ class TorchTrainRayActor:
                         per_token = pg_tok + self.kl_coef * kl_tok
                     else:
                         kl_tok = torch.zeros_like(pg_tok)
+                    if self.entropy_coef:
+                        # An entropy bonus keeps sampling diverse: a policy that answers a prompt the same way
+                        # eight times gives GRPO a zero-variance group and nothing to learn from.
+                        per_token = per_token - self.entropy_coef * entropy
                     sample_loss = masked_mean(per_token, mask)
                     # Per-sample mean over tokens, summed over the global batch; DDP averages over ranks.
                     (sample_loss.sum() * (self.world_size / global_size)).backward()
                     with torch.no_grad():
                         ratio = torch.exp(log_probs - old)
-                        for k, values in enumerate((per_token, pg_tok, kl_tok, clipped, ratio)):
+                        for k, values in enumerate((per_token, pg_tok, kl_tok, clipped, ratio, entropy)):
                             sums[k] += masked_mean(values, mask).sum().item()
                         sums[-1] += len(indices)
             params = [p for p in self.model.parameters() if p.grad is not None]
@@ -337,7 +349,7 @@ class TorchTrainRayActor:
             for indices in micro_batches:
                 if not indices:
                     continue
-                log_probs, _ = self._log_probs(model, batch, indices)
+                log_probs, _, _ = self._log_probs(model, batch, indices)
                 for row, i in enumerate(indices):
                     out[i] = log_probs[row, : batch.response_lengths[i]].cpu()
         missing = [i for i, value in enumerate(out) if value is None]
@@ -345,23 +357,31 @@ class TorchTrainRayActor:
             raise ValueError(f"samples {missing[:8]} of this rank's shard are in no micro batch of the schedule")
         return out  # type: ignore[return-value]
 
-    def _log_probs(self, model: Any, batch: _Batch, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Response-token log-probs `[B, R_max]` and the loss mask for samples `indices` (right padded).
+    def _log_probs(
+        self, model: Any, batch: _Batch, indices: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Response-token log-probs `[B, R_max]`, the loss mask and the response positions' entropy for samples
+        `indices` (right padded).
 
         No attention mask is needed: padding sits after every real token, and causal attention keeps
         it from influencing them.
         """
         tokens = pad_right([batch.tokens[i] for i in indices], dtype=torch.long).to(self.device)
         logits = model(tokens).logits
-        all_log_probs = token_log_probs(logits[:, :-1], tokens[:, 1:])
-        rows = []
-        for row, i in enumerate(indices):
-            total, response = batch.total_lengths[i], batch.response_lengths[i]
-            rows.append(all_log_probs[row, total - response - 1 : total - 1])
+        all_log_probs, all_entropy = token_log_probs_and_entropy(logits[:, :-1], tokens[:, 1:])
         width = max(batch.response_lengths[i] for i in indices)
-        log_probs = torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows])
+
+        def responses(values: torch.Tensor) -> torch.Tensor:
+            rows = []
+            for row, i in enumerate(indices):
+                total, response = batch.total_lengths[i], batch.response_lengths[i]
+                rows.append(
+                    torch.nn.functional.pad(values[row, total - response - 1 : total - 1], (0, width - response))
+                )
+            return torch.stack(rows)
+
         mask = pad_right([batch.loss_masks[i] for i in indices]).to(self.device)
-        return log_probs, mask
+        return responses(all_log_probs), mask, responses(all_entropy)
 
     def _all_reduce(self, tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
         if self.world_size == 1:
@@ -523,6 +543,9 @@ def slime_addoption(parser) -> None:
     group = parser.add_argument_group("loss (torch backend)")
     group.add_argument("--eps-clip-high", type=float, default=None, help="upper clip range (default: --eps-clip)")
     group.add_argument("--kl-loss-type", choices=KL_ESTIMATORS, default="k3", help="KL estimator when --kl-coef > 0")
+    group.add_argument(
+        "--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus subtracted from the loss"
+    )
     group.add_argument(
         "--use-rollout-logprobs",
         action="store_true",

@@ -20,10 +20,12 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int = -1) -> torc
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
-def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each target token under `logits` (`[..., vocab]` against `[...]`), in float32."""
+def token_log_probs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each target token under `logits` (`[..., vocab]` against `[...]`) and the entropy of
+    each position's distribution, from one log-softmax, in float32."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
-    return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
 
 def policy_loss(

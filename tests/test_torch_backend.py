@@ -215,6 +215,16 @@ def test_engine_log_probs_are_compared_with_the_trainers(hf_dir, tmp_path):
     assert "train/rollout_logprob_abs_diff" not in actor.train_from_data(2, make_batch())
 
 
+def test_entropy_bonus_keeps_the_policy_from_sharpening(hf_dir, tmp_path):
+    def entropy_after(coef: float) -> float:
+        actor, _ = start(make_args(hf_dir, tmp_path / str(coef), entropy_coef=coef))
+        history = [actor.train_from_data(step, make_batch()) for step in range(4)]
+        assert all(m["train/entropy"] > 0 for m in history)
+        return actor.train_from_data(4, make_batch())["train/entropy"]
+
+    assert entropy_after(1.0) > entropy_after(0.0)
+
+
 def test_bad_training_data_is_rejected_with_the_reason(hf_dir, tmp_path):
     actor, _ = start(make_args(hf_dir, tmp_path))
     data = make_batch()
