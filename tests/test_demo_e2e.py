@@ -12,9 +12,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from straw.protocol import RecordSetRef
 
+from slime.data.refs import DiskPayloadRef
 from slime.observability.phase_timer import PhaseTimer
-from slime.plugins.demo import DEMO_GLOBAL_BATCH_SIZE, prepare_demo_files
+from slime.plugins.demo import DEMO_GLOBAL_BATCH_SIZE, demo_settings, prepare_demo_files
 from slime.plugins.demo_report import RunReport, plot_reward_curve, read_metrics, reward_by_step
 from slime.utils.arguments import parse_args
 from slime.utils.external_utils.slime_run_process import SlimeRunProcess
@@ -62,9 +64,26 @@ def _rewards(save: Path) -> list[tuple[int, float]]:
     return [(line["step"], line["rollout/reward"]) for line in lines if "rollout/reward" in line]
 
 
+def _prompt_source(marker: Path, step: int) -> dict:
+    """The queue's prompt-source record saved with the joint commit of `step` (dataset cursor, pending leases)."""
+    state = json.loads((marker.parent / f"queue_state_{step}.json").read_text())
+    return DiskPayloadRef(RecordSetRef.from_dict(state["manifest"]), state["root"]).load()
+
+
 def _assert_trained_once(save: Path) -> None:
     commits = _commits(save)
     assert list(commits) == list(range(NUM_ROLLOUT)), f"committed steps are not contiguous: {list(commits)}"
+    settings = demo_settings(save)
+    groups = settings["rollout_batch_size"]
+    samples = groups * settings["n_samples_per_prompt"]
+    for step, marker in commits.items():
+        source = _prompt_source(marker, step)
+        cursor = source["dataset"]["cursor"]
+        # Each committed step consumed exactly the next step's prompt groups and sample indices, across the kill:
+        # the resumed branch issued the killed run's uncommitted samples again instead of skipping or repeating
+        # indices, and no prompt lease was left outstanding at a commit.
+        assert (cursor["sample_group_index"], cursor["sample_index"]) == ((step + 1) * groups, (step + 1) * samples)
+        assert source["pending"] == [], (step, source["pending"])
     strides = set()
     for branch, cursors in _consumer_cursors(commits).items():
         # At every commit the consumer has processed all it fetched (nothing half-trained is checkpointed) ...
