@@ -37,7 +37,7 @@ from slime.plugins.torch_losses import (
     policy_loss,
     token_log_probs_and_entropy,
 )
-from slime.plugins.torch_optim import add_optimizer_options, build_optimizer
+from slime.plugins.torch_optim import add_optimizer_options, build_optimizer, optimizer_option
 from slime.specs import TrainBackendSpec
 
 logger = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ class TorchTrainRayActor:
         eps_clip = float(getattr(self.args, "eps_clip", 0.2))
         eps_clip_high = getattr(self.args, "eps_clip_high", None)
         kl_type = getattr(self.args, "kl_loss_type", None) or "k3"
-        clip_grad = float(getattr(self.args, "clip_grad", 1.0) or 0.0)
+        clip_grad = float(optimizer_option(self.args, "clip_grad"))
         sums = torch.zeros(len(METRIC_NAMES) + 1, dtype=torch.float64)
         grad_norms = []
         trained = self.ddp if self.ddp is not None else self.model
@@ -274,13 +274,8 @@ class TorchTrainRayActor:
         if getattr(self.args, "use_rollout_logprobs", False) or "rollout_log_probs" not in data:
             return None
         total = torch.zeros(2, dtype=torch.float64)
-        for i, engine in enumerate(data["rollout_log_probs"]):
-            engine = torch.as_tensor(engine, dtype=torch.float32).reshape(-1)
-            if engine.numel() != batch.response_lengths[i]:
-                raise ValueError(
-                    f"sample {i}: {engine.numel()} rollout log-probs for {batch.response_lengths[i]} response tokens"
-                )
-            total[0] += (engine - old_log_probs[i]).abs().sum().item()
+        for engine, trainer in zip(_rollout_log_probs(data, batch), old_log_probs, strict=True):
+            total[0] += (engine - trainer).abs().sum().item()
             total[1] += engine.numel()
         total = self._all_reduce(total)
         return float(total[0] / total[1]) if total[1] > 0 else None
@@ -334,13 +329,7 @@ class TorchTrainRayActor:
 
     def _old_log_probs(self, data: dict[str, Any], batch: _Batch, micro_batches: list[list[int]]) -> list[torch.Tensor]:
         if getattr(self.args, "use_rollout_logprobs", False) and "rollout_log_probs" in data:
-            values = [torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in data["rollout_log_probs"]]
-            for i, value in enumerate(values):
-                if value.numel() != batch.response_lengths[i]:
-                    raise ValueError(
-                        f"sample {i}: {value.numel()} rollout log-probs for {batch.response_lengths[i]} response tokens"
-                    )
-            return values
+            return _rollout_log_probs(data, batch)
         return self._frozen_log_probs(self.model, batch, micro_batches)
 
     def _frozen_log_probs(self, model: Any, batch: _Batch, micro_batches: list[list[int]]) -> list[torch.Tensor]:
@@ -478,6 +467,17 @@ class TorchTrainRayActor:
                 error = exc
         if not self._all_ok(error is None):
             raise RuntimeError(f"exporting weights to {target} failed: {error or 'on rank 0'}") from error
+
+
+def _rollout_log_probs(data: dict[str, Any], batch: _Batch) -> list[torch.Tensor]:
+    """The engines' log-probs of each response token, one float32 tensor per sample, checked against its length."""
+    values = [torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in data["rollout_log_probs"]]
+    for i, value in enumerate(values):
+        if value.numel() != batch.response_lengths[i]:
+            raise ValueError(
+                f"sample {i}: {value.numel()} rollout log-probs for {batch.response_lengths[i]} response tokens"
+            )
+    return values
 
 
 class _Batch:

@@ -17,6 +17,24 @@ from typing import Any
 import torch
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
+#: Defaults of the optimizer options, for the flags and for `args` objects that lack one (tests, the floor).
+DEFAULTS = {
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.98,
+    "adam_eps": 1e-8,
+    "weight_decay": 0.0,
+    "clip_grad": 1.0,
+    "lr_warmup_iters": 0,
+    "lr_decay_style": "constant",
+    "lr_decay_iters": None,
+    "min_lr": 0.0,
+}
+
+
+def optimizer_option(args: Any, name: str) -> Any:
+    """`args.<name>`, or its default when `args` lacks it or holds None."""
+    value = getattr(args, name, None)
+    return DEFAULTS[name] if value is None else value
 
 
 def lr_multiplier(
@@ -65,9 +83,9 @@ def build_optimizer(
     `weight_decay`, `lr_warmup_iters`, `lr_decay_style`, `lr_decay_iters`; absent ones take the defaults
     of `add_optimizer_options`)."""
     lr = float(getattr(args, "lr", 1e-3))
-    min_lr = float(getattr(args, "min_lr", 0.0) or 0.0)
-    warmup = int(getattr(args, "lr_warmup_iters", 0) or 0)
-    style = getattr(args, "lr_decay_style", None) or "constant"
+    min_lr = float(optimizer_option(args, "min_lr"))
+    warmup = int(optimizer_option(args, "lr_warmup_iters"))
+    style = optimizer_option(args, "lr_decay_style")
     if style not in LR_DECAY_STYLES:
         raise ValueError(f"unknown --lr-decay-style {style!r}; use one of {', '.join(LR_DECAY_STYLES)}")
     if lr <= 0 or not 0 <= min_lr <= lr:
@@ -78,9 +96,9 @@ def build_optimizer(
     optimizer = torch.optim.AdamW(
         parameters,
         lr=lr,
-        betas=(float(getattr(args, "adam_beta1", 0.9)), float(getattr(args, "adam_beta2", 0.98))),
-        eps=float(getattr(args, "adam_eps", 1e-8)),
-        weight_decay=float(getattr(args, "weight_decay", 0.0) or 0.0),
+        betas=(float(optimizer_option(args, "adam_beta1")), float(optimizer_option(args, "adam_beta2"))),
+        eps=float(optimizer_option(args, "adam_eps")),
+        weight_decay=float(optimizer_option(args, "weight_decay")),
     )
     schedule = {"lr": lr, "min_lr": min_lr, "warmup_iters": warmup, "decay_style": style, "decay_iters": decay_iters}
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, **schedule))
@@ -90,17 +108,17 @@ def build_optimizer(
 def add_optimizer_options(parser: argparse.ArgumentParser) -> None:
     """The `optimizer (torch backend)` option group of `slime-run --help`."""
     group = parser.add_argument_group("optimizer (torch backend)")
-    group.add_argument("--adam-beta1", type=float, default=0.9)
-    group.add_argument("--adam-beta2", type=float, default=0.98)
-    group.add_argument("--adam-eps", type=float, default=1e-8)
-    group.add_argument("--weight-decay", type=float, default=0.0)
-    group.add_argument("--clip-grad", type=float, default=1.0, help="gradient-norm clip per optimizer step (0: off)")
-    group.add_argument("--lr-warmup-iters", type=int, default=0, help="optimizer steps of linear warm-up")
-    group.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant")
+    group.set_defaults(**DEFAULTS)
+    group.add_argument("--adam-beta1", type=float)
+    group.add_argument("--adam-beta2", type=float)
+    group.add_argument("--adam-eps", type=float)
+    group.add_argument("--weight-decay", type=float)
+    group.add_argument("--clip-grad", type=float, help="gradient-norm clip per optimizer step (0: off)")
+    group.add_argument("--lr-warmup-iters", type=int, help="optimizer steps of linear warm-up")
+    group.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES)
     group.add_argument(
         "--lr-decay-iters",
         type=int,
-        default=None,
         help="optimizer step at which the decay reaches --min-lr (default: the run's last optimizer step)",
     )
-    group.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
+    group.add_argument("--min-lr", type=float, help="learning rate at the end of the decay")

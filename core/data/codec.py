@@ -363,7 +363,7 @@ class SampleCodec:
         return node
 
     def _number_arenas(self, state: _Encoding) -> dict[str, list]:
-        """The tensor nodes of the int and float arenas that `_numbers_node` filled (none when empty)."""
+        """The tensor nodes of the int, float and bytes arenas that were filled (none when empty)."""
         nodes = {}
         for kind, arrays in state.numbers.items():
             if not arrays:
