@@ -7,7 +7,6 @@ same name of the same kind is an error that names both.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,19 +26,13 @@ class ProvidedSpec:
 
 @dataclass(frozen=True)
 class TransportSpec(ProvidedSpec):
-    """A rollout data transport.
+    """A rollout data transport: `target(args)` builds the run's `slime.interfaces.Transport`.
 
-    `durable`: payloads are published to shared storage (straw) before a reference travels through Ray;
-    rollout groups, batches and shards are then references, and the queue records acceptance.
-    `put_shard`: for in-memory transports, how one data-parallel rank's dict enters the object store
-    (`target` is unused for them and may be None).
     `checkpoint_policy`: the name of the checkpoint policy a run on this transport uses by default.
     `data_source`: the data source a run on this transport uses when `--data-source-path` is not given
-    (a durable transport needs a source whose state the joint checkpoint can bind).
+    (a transport that checkpoints its queue needs a source whose state its checkpoint can bind).
     """
 
-    durable: bool = False
-    put_shard: Callable[[dict], Any] | None = None
     checkpoint_policy: str = "plain"
     data_source: str = "prompts"
 
@@ -56,9 +49,12 @@ class RolloutFunctionSpec(ProvidedSpec):
 
 @dataclass(frozen=True)
 class BatchFilterSpec(ProvidedSpec):
-    """A filter over finished groups: `kind` is "dynamic" (per group, keep or drop) or "sample" (whole batch)."""
+    """A filter over finished groups.
 
-    kind: str = "dynamic"
+    Dynamic filters (`--dynamic-sampling-filter-path`) are `target(args, group) -> DynamicFilterOutput` and keep
+    or drop one group; batch filters (`--rollout-sample-filter-path`) are `target(args, groups)` and edit the
+    step's list of groups in place.
+    """
 
 
 @dataclass(frozen=True)
@@ -68,16 +64,12 @@ class CheckpointPolicySpec(ProvidedSpec):
 
 @dataclass(frozen=True)
 class RolloutEngineSpec(ProvidedSpec):
-    """A rollout engine family: `target` launches engine servers for a run; `requires_gpu` gates CPU runs."""
-
-    requires_gpu: bool = False
+    """A rollout engine family: `target(args, num_engines)` launches engine servers for a run."""
 
 
 @dataclass(frozen=True)
 class TrainBackendSpec(ProvidedSpec):
     """A training backend: `target` is the Ray actor class of one training rank."""
-
-    requires_gpu: bool = False
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import ray
 
 from slime.data.checkpoint import save_checkpoint
 from slime.data.data_source import prompt_record_keys, read_prompt_records
-from slime.data.transport import resolve_rollout_data_dir, use_straw
+from slime.interfaces import run_transport
 from slime.observability.logging_utils import configure_logger, finish_tracking, init_tracking
 from slime.observability.phase_timer import PhaseTimer
 from slime.ray.placement_group import create_placement_groups, create_rollout_manager, create_training_models
@@ -71,18 +71,12 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
     """Run rollout steps `args.start_rollout_id .. args.num_rollout - 1`, then dispose the rollout manager."""
     observers = _Observers(args)
     actor_model, critic_model = create_training_models(args, pgs, rollout_manager)
-    offload_rollout = getattr(args, "offload_rollout", False)
-    offload_train = getattr(args, "offload_train", False)
     release_train = getattr(args, "release_train", False)
     use_critic = getattr(args, "use_critic", False)
     eval_interval = getattr(args, "eval_interval", None)
 
-    if offload_rollout:
-        ray.get(rollout_manager.onload_weights.remote())
     actor_model.update_weights()
     ray.get(rollout_manager.training_ready.remote())
-    if offload_rollout:
-        ray.get(rollout_manager.onload_kv.remote())
 
     for rollout_id in range(args.start_rollout_id, args.num_rollout):
         timer = PhaseTimer()
@@ -92,8 +86,6 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
 
         rollout_data_ref = ray.get(rollout_manager.generate.remote(rollout_id))
         observers.call("slime_after_rollout", args=args, rollout_id=rollout_id, metrics={})
-        if offload_rollout:
-            ray.get(rollout_manager.offload.remote())
         if release_train:
             actor_model.create(rollout_manager)
             if critic_model is not None:
@@ -126,20 +118,11 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
                 )
             observers.call("slime_checkpoint_committed", args=args, rollout_id=rollout_id, path=str(args.save))
 
-        if offload_train:
-            # Backends that offload bring their state back themselves when next asked to export or train.
-            actor_model.offload()
-            if critic_model is not None:
-                critic_model.offload()
-        if offload_rollout:
-            ray.get(rollout_manager.onload_weights.remote())
         was_paused = ray.get(rollout_manager.pause_rollout_admission.remote())
         with timer.phase("update_weights"):
             actor_model.update_weights()
         if was_paused and rollout_id + 1 < args.num_rollout:
             ray.get(rollout_manager.resume_rollout_admission.remote())
-        if offload_rollout:
-            ray.get(rollout_manager.onload_kv.remote())
 
         if should_run_periodic_action(rollout_id, eval_interval, num_rollout_per_epoch):
             ray.get(rollout_manager.eval.remote(rollout_id))
@@ -165,9 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line, start the run on Ray, train, and tear the run down."""
     configure_logger()
     args, restore_plan = parse_args(argv, return_restore_plan=True)
-    if use_straw(args):
-        # Resolve the pool once here so the joint commit records it and every actor sees the same path.
-        resolve_rollout_data_dir(args)
+    # Settle storage paths once here, so checkpoints record them and every actor sees the same ones.
+    run_transport(args).prepare_storage()
     _Observers(args).call("slime_run_start", args=args)
     check_run_inputs(args)
     if not ray.is_initialized():

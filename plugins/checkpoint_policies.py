@@ -1,4 +1,4 @@
-"""Built-in checkpoint policies: the joint commit of durable transports, and plain model/manager saves.
+"""Built-in checkpoint policies: the joint commit of the straw transport, and plain model/manager saves.
 
 `joint` saves actor, critic and rollout manager, then commits the step (`rollout/committed_<N>.json`)
 so it can be restored exactly; a run that does not train the actor, or a debug run, has no queue to
@@ -28,12 +28,10 @@ _DEBUG_FLAGS = ("debug_train_only", "debug_rollout_only")
 
 
 def _force_sync(args: Any, rollout_id: int, joint: bool) -> bool:
-    """Block on the save when the step must be durable now: a joint commit, trainer recovery, release, last step."""
-    from slime.ray.training_recovery import training_recovery_enabled
-
+    """Block on the save when the step must be durable now: a joint commit, released trainers, the last step."""
     num_rollout = getattr(args, "num_rollout", None)
     final = num_rollout is not None and rollout_id == num_rollout - 1
-    return bool(joint or training_recovery_enabled(args) or getattr(args, "release_train", False) or final)
+    return bool(joint or getattr(args, "release_train", False) or final)
 
 
 def _save_components(
@@ -45,13 +43,6 @@ def _save_components(
     if getattr(args, "use_critic", False):
         critic.save_model(rollout_id, force_sync=force_sync)
     ray.get(manager.save.remote(rollout_id))
-
-
-def _notify_committed(args: Any, rollout_id: int, manager: Any, *, actor_trains: bool) -> None:
-    from slime.ray.training_recovery import training_recovery_enabled
-
-    if actor_trains and training_recovery_enabled(args):
-        ray.get(manager.checkpoint_committed.remote(rollout_id))
 
 
 def plain_save(
@@ -74,7 +65,6 @@ def plain_save(
         actor_trains=actor_trains,
         force_sync=_force_sync(args, rollout_id, False),
     )
-    _notify_committed(args, rollout_id, manager, actor_trains=actor_trains)
 
 
 def joint_save(
@@ -87,9 +77,16 @@ def joint_save(
     actor_trains: bool,
     restore_plan: RestorePlan | None = None,
 ) -> None:
-    """Save every component synchronously, then write the joint commit marker last and apply retention."""
-    if not actor_trains or any(getattr(args, flag, False) for flag in _DEBUG_FLAGS):
+    """Save every component synchronously, then write the joint commit marker last and apply retention.
+
+    Debug runs own no live queue and save plainly. A step that trains only the critic commits nothing (the
+    policy did not change), but its saves are still synchronous: the next joint commit builds on them.
+    """
+    if any(getattr(args, flag, False) for flag in _DEBUG_FLAGS):
         plain_save(args, rollout_id, actor, critic, manager, actor_trains=actor_trains, restore_plan=restore_plan)
+        return
+    if not actor_trains:
+        _save_components(args, rollout_id, actor, critic, manager, actor_trains=False, force_sync=True)
         return
     marker = Path(args.save) / "rollout" / f"committed_{rollout_id}.json"
     if marker.exists():
@@ -99,7 +96,6 @@ def joint_save(
     weight_version = ray.get(manager.get_weight_version.remote())
     commit_checkpoint(args, rollout_id, model_args=model_args, restore_plan=restore_plan, weight_version=weight_version)
     prune_checkpoints(args, restore_plan=restore_plan)
-    _notify_committed(args, rollout_id, manager, actor_trains=True)
 
 
 # ------------------------------------------------------------------------------------------ retention

@@ -80,8 +80,6 @@ def _set_default(args: Any, dest: str, value: Any) -> None:
 
 def configure_demo(args: Any) -> None:
     """Turn a run without model and prompts into the demo (see the module docstring)."""
-    from slime.data.transport import use_straw
-
     _set_default(args, "save", str(Path(DEFAULT_SAVE_DIR).resolve()))
     args.save = str(Path(args.save).expanduser().resolve())
     save_dir = Path(args.save)
@@ -89,9 +87,6 @@ def configure_demo(args: Any) -> None:
         _set_default(args, dest, value)
     samples_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt
     _set_default(args, "global_batch_size", min(DEMO_GLOBAL_BATCH_SIZE, samples_per_rollout))
-    if use_straw(args):
-        # The pool lives under the logical save root, beside the model and prompts of the demo.
-        _set_default(args, "rollout_data_dir", str(save_dir / "rollout_data"))
     args.demo_run = True
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from slime import hookimpl
 from slime.specs import RewardFunctionSpec
-from slime.utils.durable import write_atomically
+from slime.utils.atomic_files import write_atomically
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"
 #: The demo's targets. With variable lengths the tiny model settles on repeating the first characters

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from slime.utils.durable import fsync_path, fsync_tree
+from slime.utils.atomic_files import fsync_path, fsync_tree
 
 TINY_MODEL_VERSION = 1
 MARKER_FILE = "slime_tiny_model.json"

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from slime.utils.durable import fsync_path, fsync_tree
+from slime.utils.atomic_files import fsync_path, fsync_tree
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 OPTIMIZER_FILE = "optimizer.pt"

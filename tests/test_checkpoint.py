@@ -10,7 +10,6 @@ import pytest
 
 from slime.data.checkpoint import commit_checkpoint, committed_steps, resolve_checkpoint, save_checkpoint
 from slime.plugins.checkpoint_policies import prune_checkpoints, retained_steps
-from slime.ray.training_recovery import configure_recovery_checkpoint, training_recovery_enabled
 
 
 def _step(root: Path, step: int, pool: Path, *, run_id: str = "rollout", commit: bool = True) -> Path:
@@ -151,7 +150,7 @@ def test_checkpoint_of_another_run_or_pool_is_rejected(tmp_path):
         resolve_checkpoint(pool_args)
     with pytest.raises(ValueError, match="optimizer and RNG"):
         resolve_checkpoint(_restore(root, tmp_path / "c", step=1, rollout_queue_run_id="other", no_load_rng=True))
-    with pytest.raises(ValueError, match="--start-rollout-id differs"):
+    with pytest.raises(ValueError, match="checkpoint's next step is 2"):
         bad = _restore(root, tmp_path / "d", step=1, rollout_queue_run_id="other")
         bad.start_rollout_id = 5
         resolve_checkpoint(bad)
@@ -160,12 +159,14 @@ def test_checkpoint_of_another_run_or_pool_is_rejected(tmp_path):
 def test_non_durable_and_debug_runs_select_nothing(tmp_path):
     root = tmp_path / "run"
     _step(root, 1, tmp_path / "pool")
-    for args in (
-        _restore(root, root, step=1, rollout_data_transport="object-store"),
-        _restore(root, root, step=1, debug_train_only=True),
+    from slime.interfaces import run_transport
+
+    for args, resolve in (
+        (_restore(root, root, step=1, rollout_data_transport="object-store"), lambda a: run_transport(a).resolve_restore()),
+        (_restore(root, root, step=1, debug_train_only=True), resolve_checkpoint),
     ):
         before = vars(args).copy()
-        resolved, plan = resolve_checkpoint(args)
+        resolved, plan = resolve(args)
         assert resolved is args and plan.mode == "new" and plan.root is None and vars(args) == before
 
 
@@ -222,7 +223,6 @@ def test_joint_policy_commits_with_serving_weight_version(tmp_path, monkeypatch)
     actor, manager = _writing_models(tmp_path)
     save_checkpoint(_save_args(tmp_path), 3, actor, None, manager, actor_trains=True)
     actor.save_model.assert_called_once_with(3, force_sync=True)
-    manager.checkpoint_committed.remote.assert_called_once_with(3)
     assert json.loads((tmp_path / "rollout/committed_3.json").read_text())["weight_version"] == 42
 
 
@@ -244,7 +244,6 @@ def test_object_store_final_step_forces_sync(tmp_path, monkeypatch):
     args = _save_args(tmp_path, rollout_data_transport="object-store")
     save_checkpoint(args, 9, actor, None, manager, actor_trains=True)
     actor.save_model.assert_called_once_with(9, force_sync=True)
-    manager.checkpoint_committed.remote.assert_not_called()
 
 
 # --------------------------------------------------------------------------------------------- retention
@@ -285,29 +284,3 @@ def test_prune_keeps_branch_parents_trackers_and_pins(tmp_path):
     assert not (root / "iter_0000000").exists() and not (root / "rollout/queue_state_3.json").exists()
     assert (root / "iter_0000001/weights.pt").exists()
     assert prune_checkpoints(SimpleNamespace(save=str(root))) == []  # default: keep all
-
-
-# ---------------------------------------------------------------------------------------------- recovery
-
-
-def test_training_recovery_predicate():
-    assert training_recovery_enabled(SimpleNamespace(rollout_data_transport="straw"))
-    assert not training_recovery_enabled(SimpleNamespace(rollout_data_transport="object-store"))
-    assert training_recovery_enabled(
-        SimpleNamespace(rollout_data_transport="object-store", save_debug_rollout_data="x")
-    )
-    for flag in ("debug_train_only", "debug_rollout_only", "load_debug_rollout_data", "rollout_external"):
-        assert not training_recovery_enabled(SimpleNamespace(rollout_data_transport="straw", **{flag: True}))
-    assert not training_recovery_enabled(SimpleNamespace(rollout_data_transport="straw", train_backend="fsdp"))
-
-
-def test_configure_recovery_checkpoint():
-    args = SimpleNamespace(ckpt_format="torch_dist", no_save_optim=True, use_stateless_adam=True)
-    configure_recovery_checkpoint(args)
-    assert args.ckpt_fully_parallel_save and args.dist_ckpt_optim_fully_reshardable
-    with pytest.raises(ValueError, match="only --use-stateless-adam"):
-        configure_recovery_checkpoint(SimpleNamespace(no_save_optim=True))
-    with pytest.raises(ValueError, match="optimizer and RNG"):
-        configure_recovery_checkpoint(SimpleNamespace(no_save_rng=True))
-    with pytest.raises(ValueError, match="torch_dist"):
-        configure_recovery_checkpoint(SimpleNamespace(ckpt_format="torch"))

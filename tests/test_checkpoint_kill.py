@@ -21,6 +21,7 @@ CHILD = textwrap.dedent(
     from pathlib import Path
     from types import SimpleNamespace
     import ray
+    from slime.data import checkpoint
     from slime.data.checkpoint import save_checkpoint
 
     root, point = Path(sys.argv[1]), sys.argv[2]
@@ -51,14 +52,17 @@ CHILD = textwrap.dedent(
             (root / f"rollout/{name}_{step}.json").write_text("{}")
         die("after_rollout", step)
 
-    def committed(step):
-        die("after_marker", step)
+    commit = checkpoint.commit_checkpoint
 
-    manager = SimpleNamespace(
-        save=Remote(save_rollout),
-        get_weight_version=Remote(lambda: 1),
-        checkpoint_committed=Remote(committed),
-    )
+    def commit_then_die(args, step, **kwargs):
+        marker = commit(args, step, **kwargs)
+        die("after_marker", step)
+        return marker
+
+    import slime.plugins.checkpoint_policies as policies
+
+    policies.commit_checkpoint = commit_then_die
+    manager = SimpleNamespace(save=Remote(save_rollout), get_weight_version=Remote(lambda: 1))
     args = SimpleNamespace(
         rollout_data_transport="straw", release_train=False, num_rollout=10, use_critic=True,
         debug_train_only=False, debug_rollout_only=False, save=str(root), rollout_data_dir=str(root / "pool"),

@@ -110,6 +110,10 @@ def test_demo_configures_a_run_without_model_or_prompts(tmp_path: Path) -> None:
     assert args.global_batch_size == 2 * args.n_samples_per_prompt
     assert args.save_interval == 10 and args.update_weight_disk_dir == str(save / "weights") and args.lr == 2e-3
     assert args.entropy_coef == 0.05 and args.lr_decay_style == "constant"
+    assert args.rollout_data_dir is None  # the straw transport places its pool when it resolves the restore
+    from slime.interfaces import run_transport
+
+    run_transport(args).resolve_restore()
     assert args.rollout_data_dir == str(save / "rollout_data")
     assert args.metrics_dir == str(save)
 

@@ -58,9 +58,6 @@ class FakeGroup:
     def create(self, rollout_manager=None):
         self.log.append((f"{self.role}.create", ()))
 
-    def offload(self):
-        self.log.append((f"{self.role}.offload", ()))
-
 
 @pytest.fixture
 def train_module(monkeypatch):
@@ -166,18 +163,6 @@ def test_release_train_recreates_ranks_and_always_saves(train_module, monkeypatc
     names = _names(log)
     assert names.count("actor.create") == 2 and names.count("save_checkpoint") == 2
     assert names.index("actor.create") < names.index("actor.train")
-
-
-def test_offloaded_trainers_are_offloaded_after_the_save_and_before_the_export(train_module, monkeypatch):
-    log: list = []
-    _wire(train_module, monkeypatch, log)
-    train_module.train(_args(num_rollout=1, offload_train=True), {}, FakeManager(log), None, None)
-    names = _names(log)
-    assert (
-        names.index("save_checkpoint")
-        < names.index("actor.offload")
-        < len(names) - 1 - names[::-1].index("actor.update_weights")
-    )
 
 
 def test_eval_before_training_and_periodically(train_module, monkeypatch):

@@ -29,7 +29,6 @@ from slime.data.transport import (
     rollout_store,
     run_rollout_io,
     unpack_published_payload,
-    use_straw,
 )
 from slime.observability.rollout_data_utils import (
     load_debug_rollout_data,
@@ -63,12 +62,18 @@ def args(tmp_path):
     return SimpleNamespace(rollout_data_transport="straw", rollout_data_dir=str(tmp_path / "pool"), save=None)
 
 
-def test_transport_choice_comes_from_the_spec(args):
-    assert use_straw(args)
-    assert not use_straw(SimpleNamespace())
-    assert not use_straw(SimpleNamespace(rollout_data_transport="nixl"))
-    value = [Sample()]
-    assert pack_rollout_payload(value, SimpleNamespace(rollout_data_transport="object-store"), 0) is value
+def test_the_run_transport_comes_from_the_registry(args):
+    from slime.interfaces import run_transport
+    from slime.transports.nixl import NixlTransport
+    from slime.transports.object_store import InMemoryTransport
+    from slime.transports.straw import StrawTransport
+
+    assert type(run_transport(args)) is StrawTransport
+    assert type(run_transport(SimpleNamespace())) is InMemoryTransport  # object-store is the default
+    assert type(run_transport(SimpleNamespace(rollout_data_transport="nixl"))) is NixlTransport
+    value = [[Sample()]]
+    session = run_transport(SimpleNamespace(rollout_data_transport="object-store")).rollout_session(None)
+    assert session.publish_batch(value, 0) is value
 
 
 def test_writer_is_cached_per_configuration_with_a_fresh_codec(args):

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from slime import hookimpl
 from slime.specs import TransportSpec
+from slime.transports.object_store import InMemoryTransport
 
 
-def put_over_nixl(shard: dict) -> object:
-    """Put one rank's training dict into Ray with its tensors sent over NIXL."""
-    import ray
+class NixlTransport(InMemoryTransport):
+    """The object-store transport, with each shard's tensors sent over NIXL instead of through the object store."""
 
-    return ray.put(shard, _tensor_transport="nixl")
+    def put_shard(self, shard: dict) -> Any:
+        import ray
+
+        return ray.put(shard, _tensor_transport="nixl")
 
 
 @hookimpl
@@ -20,9 +24,8 @@ def slime_transports() -> Iterable[TransportSpec]:
     return [
         TransportSpec(
             "nixl",
-            None,
+            NixlTransport,
             "Ray object refs whose tensors move over NIXL (needs NIXL and GPUs/RDMA); not durable",
-            put_shard=put_over_nixl,
             checkpoint_policy="plain",
         )
     ]

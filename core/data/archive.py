@@ -31,7 +31,7 @@ from typing import Any
 
 from slime.data.refs import DiskPayloadRef
 from slime.rollout.base_types import iter_samples
-from slime.utils.durable import fsync_path
+from slime.utils.atomic_files import fsync_path
 from slime.utils.types import Sample
 
 ARCHIVE_FORMAT = "slime.straw-debug"
@@ -252,8 +252,6 @@ class RolloutArchive:
         With `reference`, the archive points at that already-published batch (it must hold exactly these
         Samples, in order, and live in the run's pool); otherwise the Samples are published in chunks.
         """
-        from slime.data.transport import use_straw
-
         path = Path(path).expanduser()
         samples = list(samples)
         if not all(isinstance(sample, Sample) for sample in samples):
@@ -262,7 +260,7 @@ class RolloutArchive:
             )
         if path.exists():
             raise FileExistsError(f"Rollout archives are immutable; choose a new path: {path}")
-        shared = args is not None and use_straw(args)
+        shared = args is not None and bool(getattr(args, "rollout_data_dir", None))
         if reference is not None and not isinstance(reference, DiskPayloadRef):
             raise TypeError(f"An archive reference must be a DiskPayloadRef, got {type(reference).__name__}")
         if shared:

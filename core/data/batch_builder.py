@@ -6,7 +6,8 @@ With a durable transport every training batch is a control task in the queue's a
 hands each data-parallel rank a small `TrainBatchRef` (a column selection of that one conversion plus the
 rank's schedule), so no per-rank payload is ever written. Replaying `begin` after a crash reuses the stored
 plan and, once converted, rebuilds the very same per-rank references without writing anything.
-In-memory transports convert and put per-rank dicts into Ray as before.
+How the shares travel is the run's transport's business (`Transport.shard_batch`): the straw transport calls
+`durable_shares` here, in-memory transports put per-rank dicts into Ray; both use `dp_schedule`.
 
 Module-level `ray` and `build_dp_schedule` are looked up at call time (tests patch them).
 """
@@ -14,13 +15,15 @@ Module-level `ray` and `build_dp_schedule` are looked up at call time (tests pat
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from slime.data.refs import DiskPayloadRef, TrainBatchRef
-from slime.data.transport import pack_rollout_payload, rollout_store, use_straw
+from slime.data.transport import pack_rollout_payload, rollout_store
+from slime.interfaces import run_transport
 from slime.utils.dp_schedule import build_dp_schedule
 from slime.utils.misc import Box, load_function
 from slime.utils.types import Sample
@@ -85,7 +88,8 @@ def _record_set(value: Any) -> Any:
     return value if isinstance(value, RecordSetRef) else RecordSetRef.from_dict(value)
 
 
-def _take(values: Any, indices: list[int]) -> Any:
+def take_rows(values: Any, indices: list[int]) -> Any:
+    """The rows `indices` of a column (a list, or a tensor indexed along its first dimension)."""
     if hasattr(values, "shape") and hasattr(values, "__getitem__") and not isinstance(values, list):
         return values[indices]
     return [values[i] for i in indices]
@@ -127,6 +131,26 @@ def normalize_group_rewards(raw: list[float], group: int, *, std_normalization: 
     constant = rewards.amax(dim=-1) == rewards.amin(dim=-1)
     centered[constant] = 0.0
     return centered.flatten().tolist()
+
+
+@dataclass(frozen=True)
+class DpSchedule:
+    """How one batch is split across data-parallel ranks (from `build_dp_schedule`)."""
+
+    partitions: list
+    micro_batch_indices: list
+    num_microbatches: list
+    global_batch_sizes: list
+    total_lengths: list
+
+    def for_rank(self, rank: int) -> dict:
+        """The schedule fields a rank's shard carries."""
+        return {
+            "partition": self.partitions[rank],
+            "global_batch_sizes": self.global_batch_sizes,
+            "num_microbatches": self.num_microbatches,
+            "micro_batch_indices": self.micro_batch_indices[rank],
+        }
 
 
 class BatchBuilder:
@@ -315,57 +339,35 @@ class BatchBuilder:
         return self.split_by_dp(data)
 
     def split_by_dp(self, data: Any) -> list[Box]:
-        """One `Box` per data-parallel rank: a `TrainBatchRef` (durable) or the rank's dict (in memory)."""
-        args = self.args
-        straw = use_straw(args)
-        reference = None
-        if straw:
-            reference = data if isinstance(data, DiskPayloadRef) else self.publish_converted(data)
-            data = reference.load(selection={"total_lengths": None, "rollout_ids": None})
+        """One `Box` per data-parallel rank, as the run's transport moves them (`Transport.shard_batch`)."""
+        return run_transport(self.args).shard_batch(self, data)
+
+    def dp_schedule(self, data: dict) -> DpSchedule:
+        """Split the converted batch `data` (at least `rollout_ids` and `tokens` or `total_lengths`) across ranks."""
         total_lengths = data.get("total_lengths")
         if total_lengths is None:
             total_lengths = [len(tokens) for tokens in data["tokens"]]
         partitions, micro_batch_indices, num_microbatches, global_batch_sizes = build_dp_schedule(
-            args,
+            self.args,
             self.train_parallel_config,
             total_lengths,
-            global_batch_size=args.global_batch_size,
+            global_batch_size=self.args.global_batch_size,
             rollout_indices=data["rollout_ids"],
         )
-        if straw:
-            return self._durable_shares(
-                reference, partitions, micro_batch_indices, num_microbatches, global_batch_sizes
-            )
-        from slime.observability.rollout_data_utils import tensorize_rollout_data_for_training
-        from slime.plugin_manager import registry_for
+        return DpSchedule(partitions, micro_batch_indices, num_microbatches, global_batch_sizes, list(total_lengths))
 
-        name = getattr(args, "rollout_data_transport", "object-store") or "object-store"
-        spec = registry_for(args).get("transports", name)
-        if spec.put_shard is None:
-            raise ValueError(f"Unsupported rollout data transport: {name!r} (its spec has no in-memory put_shard)")
-        boxes = []
-        for rank, partition in enumerate(partitions):
-            shard = {key: _take(data[key], partition) for key in PARTITIONED_FIELDS if data.get(key) is not None}
-            shard.update({key: data[key] for key in GLOBAL_FIELDS if data.get(key) is not None})
-            shard["total_lengths"] = list(total_lengths)
-            shard.update(
-                partition=partition,
-                global_batch_sizes=global_batch_sizes,
-                num_microbatches=num_microbatches,
-                micro_batch_indices=micro_batch_indices[rank],
-            )
-            boxes.append(Box(spec.put_shard(tensorize_rollout_data_for_training(shard))))
-        return boxes
+    def durable_shares(self, data: Any) -> list[Box]:
+        """Publish the conversion once (unless `data` already is it) and hand each rank a `TrainBatchRef` into it."""
+        reference = data if isinstance(data, DiskPayloadRef) else self.publish_converted(data)
+        schedule = self.dp_schedule(reference.load(selection={"total_lengths": None, "rollout_ids": None}))
+        return self._durable_shares(reference, schedule)
 
-    def _durable_shares(
-        self,
-        reference: DiskPayloadRef,
-        partitions: list,
-        micro_batch_indices: list,
-        num_microbatches: list,
-        global_batch_sizes: list,
-    ) -> list[Box]:
+    def _durable_shares(self, reference: DiskPayloadRef, schedule: DpSchedule) -> list[Box]:
         from straw.protocol import digest
+
+        partitions = schedule.partitions
+        micro_batch_indices = schedule.micro_batch_indices
+        global_batch_sizes = schedule.global_batch_sizes
 
         plan_digest = digest(
             {
@@ -377,12 +379,6 @@ class BatchBuilder:
         )
         boxes = []
         for rank, partition in enumerate(partitions):
-            schedule = {
-                "partition": partition,
-                "global_batch_sizes": global_batch_sizes,
-                "num_microbatches": num_microbatches,
-                "micro_batch_indices": micro_batch_indices[rank],
-            }
             selection = {field: partition for field in PARTITIONED_FIELDS}
             selection.update({field: None for field in GLOBAL_FIELDS})
             ref = TrainBatchRef(
@@ -392,7 +388,7 @@ class BatchBuilder:
                 rank,
                 plan_digest,
                 selection=selection,
-                schedule=schedule,
+                schedule=schedule.for_rank(rank),
             )
             boxes.append(Box(ray.put(ref)))
         return boxes
@@ -415,8 +411,6 @@ class BatchBuilder:
 
     def save(self, rollout_id: int) -> None:
         """Write `builder_state_<id>.json`: the training consumer's state, retained for this checkpoint."""
-        if not use_straw(self.args):
-            return
         from straw.protocol import digest
 
         import slime.data.queue_data_source as facade
@@ -444,7 +438,7 @@ class BatchBuilder:
     def load(self, rollout_id: int | None, *, source_restore: Any = None) -> None:
         """Rewind the training consumer to the checkpointed state (no-op for forks and fresh runs)."""
         args = self.args
-        if not use_straw(args) or not getattr(args, "load", None) or rollout_id is None:
+        if not getattr(args, "load", None) or rollout_id is None:
             return
         if source_restore is not None and source_restore.new_queue:
             self.raw_ref = self.batch_id = self._plan = self._lease = None

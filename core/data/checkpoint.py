@@ -18,9 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from straw.reporting import write_report
-
-from slime.utils.durable import fsync_path
+from slime.utils.atomic_files import fsync_path
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +65,13 @@ class SourceRestore:
 
 
 # --------------------------------------------------------------------------------------------- commit
+
+
+def write_report(path: Path, value: Any) -> None:
+    """straw's atomic, fsynced JSON report write (straw is imported only by runs that commit checkpoints)."""
+    from straw.reporting import write_report as straw_write_report
+
+    straw_write_report(path, value)
 
 
 def _sha256(path: Path) -> str:
@@ -327,14 +332,13 @@ def _occupied(save_root: Path, expected_current: str | None) -> bool:
     return save_root.is_dir() and any(entry.name.startswith("iter_") for entry in save_root.iterdir())
 
 
-def _straw_run(args: Any) -> bool:
-    from slime.data.transport import use_straw
-
+def _restores_joint_commits(args: Any) -> bool:
+    """Debug and replay runs own no live queue and restore nothing; a run without --save has nothing to restore."""
     if any(
         getattr(args, name, False) for name in ("debug_train_only", "debug_rollout_only", "load_debug_rollout_data")
     ):
         return False
-    return bool(getattr(args, "save", None)) and use_straw(args)
+    return bool(getattr(args, "save", None))
 
 
 def resolve_checkpoint(args: Any) -> tuple[Any, RestorePlan]:
@@ -342,7 +346,7 @@ def resolve_checkpoint(args: Any) -> tuple[Any, RestorePlan]:
 
     Pure selection: reads files only. The queue controller publishes the branch the plan describes.
     """
-    if not _straw_run(args):
+    if not _restores_joint_commits(args):
         return args, RestorePlan()
     save_root = Path(args.save).resolve()
     current_path = save_root / "rollout" / "current.json"
@@ -406,12 +410,15 @@ def _apply_selection(args: Any, selected: tuple[Path, int, Any], branch: dict[st
     omit_optim = getattr(args, "no_load_optim", False) and not getattr(args, "use_stateless_adam", False)
     if getattr(args, "finetune", False) or omit_optim or getattr(args, "no_load_rng", False):
         raise ValueError(
-            "Checkpoint restoration requires model, optimizer and RNG state (drop --finetune/--no-load-optim/"
-            "--no-load-rng, or start a new run with a new --save)"
+            "Checkpoint restoration requires model, optimizer and RNG state (drop --no-load-optim/--no-load-rng, "
+            "or start a new run with a new --save)"
         )
     start = getattr(args, "start_rollout_id", None)
     if start is not None and start != step + 1:
-        raise ValueError(f"--start-rollout-id differs from the checkpoint: {start} != {step + 1} ({root})")
+        raise ValueError(
+            f"The run starts at step {start} but the checkpoint's next step is {step + 1} ({root}); "
+            "pick the checkpoint with --ckpt-step"
+        )
     dataset_cursor = None
     if value is not None:
         run_id = getattr(args, "rollout_queue_run_id", None) or "rollout"

@@ -48,6 +48,10 @@ class QueueReaderConfig:
     dataset_size: int
     branch_id: str | None = None
 
+    def open_reader(self, args: Any, reader_id: str) -> QueueReader:
+        """This process's own reader of the queue, identified by `reader_id`."""
+        return QueueReader(args, self.controller, reader_id, self.dataset_size, branch_id=self.branch_id)
+
 
 def _oldest_weight_version(group: list) -> int:
     versions = [int(v) for sample in iter_samples(group) for v in sample.weight_versions if str(v).isdigit()]

@@ -13,6 +13,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from slime.interfaces import ShardReference
+
 if TYPE_CHECKING:
     from straw.protocol import CommitReceipt, RecordSetRef
 
@@ -120,6 +122,9 @@ class TrainBatchRef(DiskPayloadRef):
             value.update(self.schedule)
         return value
 
+
+# Trainers load a TrainBatchRef like any transport's shard reference (`slime.utils.data.process_rollout_data`).
+ShardReference.register(TrainBatchRef)
 
 #: Reference classes the codec may store, by class name.
 REF_CLASSES = {cls.__name__: cls for cls in (DiskPayloadRef, RolloutGroupRef, RawRolloutRef, TrainBatchRef)}

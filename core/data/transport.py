@@ -1,9 +1,8 @@
 """The rollout data transport facade: publish rollout payloads durably, hand out small references.
 
-Which transport a run uses is a registry lookup (`use_straw(args)` asks the selected `TransportSpec`
-whether it is durable); for in-memory transports every function here passes values through unchanged.
-For the durable (straw) transport, payloads go to a shared pool through one cached writer per process and
-only frozen references (`slime.data.refs`) travel through Ray. Names that tests patch
+These are the straw transport's operations (`slime.transports.straw` adapts them to the `Transport`
+interface): payloads go to a shared pool through one cached writer per process and only frozen references
+(`slime.data.refs`) travel through Ray. Orchestration never calls them directly; it asks the run's transport. Names that tests patch
 (`pack_rollout_group`, `ray`, ...) are looked up through this module at call time.
 """
 
@@ -50,7 +49,6 @@ __all__ = [
     "seal_rollout_store",
     "unpack_published_payload",
     "unpack_rollout_payload",
-    "use_straw",
 ]
 
 ARCHIVE_FORMAT = "slime.straw-debug"
@@ -69,14 +67,6 @@ _RELEASE_BATCH = 128
 _writers: dict[tuple, tuple[Any, threading.RLock]] = {}
 _writers_lock = threading.Lock()
 _io_semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def use_straw(args: Any) -> bool:
-    """Whether the run's transport is durable (publishes to shared storage); asks the registered spec."""
-    from slime.plugin_manager import registry_for
-
-    name = getattr(args, "rollout_data_transport", "object-store") or "object-store"
-    return registry_for(args).get("transports", name).durable
 
 
 def _require_straw() -> None:
@@ -195,8 +185,6 @@ def rollout_store(args: Any) -> tuple[Any, Any, threading.RLock]:
 
 def seal_rollout_store(args: Any) -> None:
     """Seal the current pack of the run's writer (it stays open for later publications)."""
-    if not use_straw(args):
-        return
     store, _, lock = rollout_store(args)
     with lock:
         store.seal()
@@ -208,12 +196,10 @@ def seal_rollout_store(args: Any) -> None:
 def pack_rollout_payload(
     value: Any, args: Any, rollout_id: Any, *, metadata: dict | None = None, submission_id: str | None = None
 ) -> Any:
-    """Publish `value` durably and return a `DiskPayloadRef` (durable transports); otherwise return `value`.
+    """Publish `value` durably and return a `DiskPayloadRef`.
 
     A reference that already names a manifest is validated and returned as is (nothing is rewritten).
     """
-    if not use_straw(args):
-        return value
     store, codec, lock = rollout_store(args)
     if isinstance(value, DiskPayloadRef) and value.root:
         store.validate(value.manifest)
@@ -274,8 +260,6 @@ def inherit_queue_context(source: Any, output: Any) -> Any:
 
 def pack_rollout_group(group: Any, args: Any, rollout_id: Any, *, controller: Any = None) -> Any:
     """Publish one finished group (nesting preserved); a leased group also completes its queue task."""
-    if not use_straw(args):
-        return group
     first = next(iter_samples(group))
     lease = group_lease(group)
     record_generation_provenance(group)
@@ -334,8 +318,6 @@ async def publish_rollout_async(
 
 def release_payload_publications(args: Any, payloads: Iterable[Any]) -> None:
     """Give up staging ownership of published payloads (each manifest once, in batches)."""
-    if not use_straw(args):
-        return
     manifests = {}
     for payload in payloads:
         if isinstance(payload, DiskPayloadRef):
@@ -351,8 +333,6 @@ def release_payload_publications(args: Any, payloads: Iterable[Any]) -> None:
 
 def release_rollout_publications(group: Any, args: Any) -> None:
     """Give up staging of the tensor publications that a discarded group's Samples reference."""
-    if not use_straw(args):
-        return
     from straw.tensor import TensorRef, release_tensor_publications
 
     tensors = [
@@ -379,7 +359,7 @@ def discard_rollout_group(group: Any, args: Any, reason: str = "dynamic filter",
         return
     receipts = [getattr(s, "_queue_receipt", None) for s in iter_samples(group)]
     positions = sorted({receipt["position"] for receipt in receipts if receipt})
-    if positions and use_straw(args):
+    if positions:
         if controller is None:
             raise ValueError("Queue samples were discarded but no coordinator binding was given")
         ref = pack_rollout_payload({"positions": positions, "reason": reason}, args, "dispositions")
@@ -492,8 +472,6 @@ def _probe_storage(reference: DiskPayloadRef, root: str, args: Any) -> DiskPaylo
 
 def check_rollout_storage(args: Any) -> None:
     """Prove that every alive Ray node with CPUs or GPUs reads and writes the same pool."""
-    if not use_straw(args):
-        return
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     marker = uuid.uuid4().hex

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from slime.data.tensor import TensorRef, materialize_tensor_refs
+from slime.data.tensor import is_tensor_ref, materialize_tensor_refs
 from slime.rollout.base_types import iter_samples
 from slime.utils.types import Sample
 
@@ -38,7 +38,7 @@ TRAINING_DTYPES: dict[str, torch.dtype | None] = {
 
 
 def _to_tensor(value: Any, dtype: torch.dtype | None) -> Any:
-    if value is None or isinstance(value, TensorRef):
+    if value is None or is_tensor_ref(value):
         return value
     if isinstance(value, torch.Tensor):
         tensor = value.detach().cpu()
@@ -86,8 +86,8 @@ def validate_rollout_routed_experts_for_replay(
     expected = (expected_rows, num_layers, moe_router_topk)
     if len(shape) != 3 or any(want is not None and have != want for have, want in zip(shape, expected, strict=True)):
         raise ValueError(
-            f"Routed experts have shape {shape}; routing replay expects (len(tokens) - 1, --num-layers, "
-            f"--moe-router-topk) = {expected}"
+            f"Routed experts have shape {shape}; routing replay expects (len(tokens) - 1, args.num_layers, "
+            f"args.moe_router_topk) = {expected}"
         )
     return value
 

@@ -1,9 +1,11 @@
 """The rollout manager: one Ray actor that runs rollout steps and hands training batches to the trainers.
 
-Per step it calls the rollout function (default `slime.rollout.sglang_rollout.generate_rollout`), accepts
-the raw rollout into the queue (durable transports), plans and converts the batch with the `BatchBuilder`
-and returns one small reference per data-parallel rank. With a serving cluster (`serving=`), engines and
-the queue controller belong to the cluster: the manager borrows them and never disposes them.
+Per step it calls the rollout function (default `slime.rollout.sglang_rollout.generate_rollout`) inside the
+run's transport session, has the transport accept the step, plans and converts the batch with the
+`BatchBuilder` and returns one reference per data-parallel rank. Everything about how data travels is the
+run's transport's (`slime.interfaces.Transport`); the manager holds its service (`self.controller`, None for
+transports without one) and passes it back. With a serving cluster (`serving=`), engines and the transport's
+service belong to the cluster: the manager borrows them and never disposes them.
 """
 
 from __future__ import annotations
@@ -11,14 +13,11 @@ from __future__ import annotations
 import copy
 import logging
 import time
-import uuid
-from pathlib import Path
 from typing import Any
 
 import ray
 
-from slime.data.refs import DiskPayloadRef
-from slime.data.transport import accept_raw_rollout, check_rollout_storage, load_rollout_samples, use_straw
+from slime.interfaces import Transport, rollout_session_scope, run_transport
 from slime.observability import logging_utils
 from slime.observability.logging_utils import configure_logger, init_tracking, log_eval_rollout_data, log_rollout_data
 from slime.observability.phase_timer import PhaseTimer
@@ -30,8 +29,8 @@ from slime.observability.rollout_data_utils import (
 from slime.ray.health_monitor import start_health_monitors
 from slime.ray.lock import Lock
 from slime.ray.serving import live_urls
-from slime.rollout.base_types import RolloutFnTrainOutput, call_rollout_fn, iter_samples
-from slime.utils.misc import load_function
+from slime.rollout.base_types import call_rollout_fn, iter_samples
+from slime.utils.misc import load_function, plugin_name
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +38,17 @@ DEFAULT_DATA_SOURCE = "prompts"
 DEFAULT_ROLLOUT_FUNCTION = "sglang"
 
 
-def _is_straw_archive(template: Any) -> bool:
-    return isinstance(template, str) and template.endswith(".straw.json")
+def check_rollout_storage(args: Any) -> None:
+    """Have the run's transport prove every node can use its storage (a module name, so tests can stub it)."""
+    run_transport(args).check_storage()
 
 
 @ray.remote
 class RolloutManager:
-    """Runs rollout steps; owns (or borrows) the data source, queue controller and batch builder."""
+    """Runs rollout steps; owns (or borrows) the data source, the transport's service and the batch builder."""
+
+    #: The run's transport service (`OpenedSource.service`; None until opened, and for transports without one).
+    controller: Any = None
 
     def __init__(
         self, args: Any, pg: Any, *, restore_plan: Any = None, serving: Any = None, deployment: Any = None
@@ -61,9 +64,7 @@ class RolloutManager:
         self.weight_version = int(getattr(args, "update_weight_start_version", 0) or 0)
         self.rollout_id = -1
         self.train_actors: dict[str, list] = {}
-        straw = use_straw(args)
-        if straw:
-            check_rollout_storage(args)
+        check_rollout_storage(args)
 
         if getattr(args, "debug_train_only", False):
             self.servers: dict = {}
@@ -76,7 +77,7 @@ class RolloutManager:
             self._launched_servers = True
         self._publish_engine_urls()
         try:
-            self._init_components(straw, restore_plan)
+            self._init_components(restore_plan)
         except BaseException:
             self._release_after_failed_init()
             raise
@@ -89,12 +90,18 @@ class RolloutManager:
             # A lock needs no CPU slot of its own (training ranks would wait for it on small machines).
             self.rollout_engine_lock = Lock.options(num_cpus=0, num_gpus=0).remote()
 
-    def _init_components(self, straw: bool, restore_plan: Any) -> None:
+    @property
+    def transport(self) -> Transport:
+        """The run's transport (cheap to build; state lives in its storage and service)."""
+        return run_transport(self.args)
+
+    def _init_components(self, restore_plan: Any) -> None:
         args = self.args
-        self.data_source = self._create_data_source(straw, restore_plan)
+        self.data_source = self._create_data_source(restore_plan)
         rollout_function = getattr(args, "rollout_function_path", None) or DEFAULT_ROLLOUT_FUNCTION
-        self.generate_rollout = load_function(rollout_function)
-        self.eval_generate_rollout = load_function(getattr(args, "eval_function_path", None) or rollout_function)
+        self.generate_rollout = load_function(plugin_name("rollout_functions", rollout_function, args))
+        eval_function = getattr(args, "eval_function_path", None) or rollout_function
+        self.eval_generate_rollout = load_function(plugin_name("rollout_functions", eval_function, args))
         from slime.data.batch_builder import BatchBuilder
 
         self.batch_builder = BatchBuilder(args, controller=self.controller)
@@ -110,43 +117,25 @@ class RolloutManager:
             for server in self.servers.values():
                 server.shutdown()
 
-    def _create_data_source(self, straw: bool, restore_plan: Any) -> Any:
-        """Custom sources are built first with `(args)` only; a default controller is made only if needed."""
+    def _create_data_source(self, restore_plan: Any) -> Any:
+        """The data source, bound by the transport to its service (created here unless one is borrowed)."""
         args = self.args
-        source_cls = load_function(getattr(args, "data_source_path", None) or DEFAULT_DATA_SOURCE)
-        if not straw:
-            return source_cls(args)
-        from slime.data import queue_data_source
-
-        source = None
-        if source_cls is not queue_data_source.QueueDataSource:
-            source = source_cls(args)
-            if isinstance(source, queue_data_source.QueueReader) and self.controller is None:
-                self.controller = source.controller
-        if self.controller is None:
-            if self.serving is not None:
-                self.controller = ray.get(self.serving.get_queue_controller.remote())
-            else:
-                self.controller = queue_data_source.create_queue_controller(args, restore_plan=restore_plan)
-                self._owns_controller = True
-        if source is None:
-            source = source_cls(
-                args,
-                controller=self.controller,
-                restore_plan=restore_plan,
-                reader_generation=uuid.uuid4().hex if self.serving is not None else "",
-            )
-        return source
+        source_name = getattr(args, "data_source_path", None) or DEFAULT_DATA_SOURCE
+        source_cls = load_function(plugin_name("data_sources", source_name, args))
+        opened = self.transport.open_data_source(
+            source_cls, restore_plan=restore_plan, serving=self.serving, service=self.controller
+        )
+        self.controller = opened.service
+        self._owns_controller = opened.owned
+        return opened.source
 
     # ------------------------------------------------------------------ lifecycle
 
     def dispose(self, timeout: float | None = None) -> None:
-        """Close the source, the owned controller, seal the store and finish tracking; never the serving cluster.
+        """Close the source and the owned service, seal the transport, finish tracking; never the serving cluster.
 
         Every step runs even when an earlier one failed; the first failure is re-raised at the end.
         """
-        from slime.data import transport
-
         timeout = timeout if timeout is not None else getattr(self.args, "rollout_cleanup_timeout", None)
         errors: list[BaseException] = []
 
@@ -174,8 +163,7 @@ class RolloutManager:
 
             step(close_controller)
             self._owns_controller = False
-        if use_straw(self.args):
-            step(lambda: transport.seal_rollout_store(self.args))
+        step(self.transport.seal)
         if self._launched_servers:
             for monitor in self._health_monitors:
                 step(monitor.stop)
@@ -204,7 +192,8 @@ class RolloutManager:
             return
         self.rollout_id = rollout_id
         self.health_monitoring_resume()
-        result = call_rollout_fn(self.eval_generate_rollout, args, rollout_id, self.data_source, evaluation=True)
+        with rollout_session_scope(self.transport.rollout_session(self.controller)):
+            result = call_rollout_fn(self.eval_generate_rollout, args, rollout_id, self.data_source, evaluation=True)
         self._finish_rollout()
         save_debug_rollout_data(
             getattr(args, "save_debug_rollout_data", None), result.data, rollout_id=rollout_id, evaluation=True
@@ -215,7 +204,6 @@ class RolloutManager:
         """Generate, convert and store one step; its rollout metrics line carries the phase times."""
         self._publish_engine_urls()  # engines may have been relaunched since the last step
         args = self.args
-        straw = use_straw(args)
         timer = PhaseTimer()
         data, metrics = self._get_rollout_data(rollout_id, timer)
         save_debug_rollout_data(
@@ -224,15 +212,15 @@ class RolloutManager:
             rollout_id=rollout_id,
             evaluation=False,
             args=args,
-            reference=self.batch_builder.raw_ref if straw else None,
+            reference=self.batch_builder.raw_ref,
         )
         result = None
         if not getattr(args, "debug_rollout_only", False):
-            result = self._build_batch(data, straw, timer)
+            result = self._build_batch(data, timer)
         log_rollout_data(rollout_id, args, data, {**(metrics or {}), **timer.metrics()}, time.time() - start_time)
         return result
 
-    def _build_batch(self, data: list, straw: bool, timer: PhaseTimer) -> Any:
+    def _build_batch(self, data: list, timer: PhaseTimer) -> Any:
         """Per-rank training references of this step's batch (a replayed step reuses its stored batch)."""
         with timer.phase("convert"):
             cached = self.batch_builder.begin(data, replay=bool(getattr(self.args, "load_debug_rollout_data", None)))
@@ -240,66 +228,34 @@ class RolloutManager:
                 return cached
             converted = self.batch_builder.convert(data)
         with timer.phase("store"):
-            if straw:
-                converted = self.batch_builder.publish_converted(converted)
             return self.batch_builder.split_by_dp(converted)
 
     def _get_rollout_data(self, rollout_id: int, timer: PhaseTimer | None = None) -> tuple[list, dict | None]:
         """This step's Samples (flat list) and the rollout function's metrics; phase times go to `timer`."""
         timer = timer or PhaseTimer()
         args = self.args
-        straw = use_straw(args)
+        transport = self.transport
         template = getattr(args, "load_debug_rollout_data", None)
-        subsample = getattr(args, "load_debug_rollout_data_subsample", None)
-        if template and straw and _is_straw_archive(template) and not subsample:
-            with timer.phase("store"):
-                return self._replay_archive(template, rollout_id), None
         if template:
             with timer.phase("store"):
-                data = load_debug_rollout_data(template, rollout_id=rollout_id, subsample_ratio=subsample)
+                replayed = transport.replay_archive(template, rollout_id, service=self.controller)
+                if replayed is not None:
+                    data, self.batch_builder.raw_ref = replayed
+                    return self._flatten(data), None
+                data = load_debug_rollout_data(
+                    template,
+                    rollout_id=rollout_id,
+                    subsample_ratio=getattr(args, "load_debug_rollout_data_subsample", None),
+                )
             self.batch_builder.raw_ref = None
             return self._flatten(validate_rollout_id_annotated(data)), None
-        with timer.phase("generate"):
+        with timer.phase("generate"), rollout_session_scope(transport.rollout_session(self.controller)):
             output = call_rollout_fn(self.generate_rollout, args, rollout_id, self.data_source, evaluation=False)
         with timer.phase("store"):
-            if straw:
-                samples = getattr(output, "samples", None)
-                accepted = accept_raw_rollout(output, args, rollout_id, controller=self.controller)
+            data, metrics, accepted = transport.accept_rollout(output, rollout_id, service=self.controller)
+            if accepted is not None:
                 self.batch_builder.raw_ref = accepted
-                metrics = accepted.metrics
-                if isinstance(samples, list) and not any(isinstance(s, DiskPayloadRef) for s in samples):
-                    data = samples
-                else:
-                    data = load_rollout_samples(accepted)
-            else:
-                metrics = output.metrics
-                data = load_rollout_samples(output.samples)
         return self._flatten(validate_rollout_id_annotated(data)), metrics
-
-    def _replay_archive(self, template: str, rollout_id: int) -> list:
-        """Accept an archived rollout by reference: no Sample is re-encoded and no tensor is loaded."""
-        from slime.data.archive import RolloutArchive
-
-        args = self.args
-        path = Path(template.format(rollout_id=rollout_id)).expanduser()
-        archive = RolloutArchive(path)
-        try:
-            pool = str(Path(args.rollout_data_dir).expanduser().resolve())
-            run_id = getattr(args, "rollout_queue_run_id", None) or "rollout"
-            if str(Path(archive.index["root"]).resolve()) != pool or archive.manifest.manifest.segment.run_id != run_id:
-                raise ValueError(
-                    f"Debug rollout archives must belong to the same Straw storage pool and run: {path} was written "
-                    f"to {archive.index['root']} (run {archive.manifest.manifest.segment.run_id}), this replay "
-                    f"uses {pool} (run {run_id})"
-                )
-            data = archive.load_samples()
-            refs = archive.sample_refs()
-        finally:
-            archive.close()
-        self.batch_builder.raw_ref = accept_raw_rollout(
-            RolloutFnTrainOutput(samples=data, sample_refs=refs), args, rollout_id, controller=self.controller
-        )
-        return self._flatten(data)
 
     @staticmethod
     def _flatten(data: Any) -> list:
@@ -426,16 +382,14 @@ class RolloutManager:
                     consumer.pause()
                     paused.append(consumer)
             self.data_source.save(rollout_id)
-            self.batch_builder.save(rollout_id)
+            self.transport.save_state(self.batch_builder, rollout_id)
         finally:
             for consumer in paused:
                 consumer.resume()
 
     def load(self, rollout_id: int | None = None) -> None:
         restored = self.data_source.load(rollout_id)
-        from slime.data.checkpoint import SourceRestore
-
-        self.batch_builder.load(rollout_id, source_restore=restored if isinstance(restored, SourceRestore) else None)
+        self.transport.load_state(self.batch_builder, rollout_id, restored)
 
     def training_completed(self, rollout_id: int) -> None:
         self.batch_builder.training_completed(rollout_id)

@@ -76,37 +76,26 @@ def _group_order(group: Any) -> int:
     return (first.index if first is not None else None) or 0
 
 
-def _receipt_positions(groups: list) -> set[int]:
-    return {
-        sample._queue_receipt["position"]
-        for sample in iter_samples(groups)
-        if getattr(sample, "_queue_receipt", None) is not None
-    }
-
-
 def finalize_rollout_groups(
-    args: Any, rollout_id: Any, groups: list, metrics: dict | None = None, *, controller: Any = None
+    args: Any, rollout_id: Any, groups: list, metrics: dict | None = None, *, session: Any = None
 ) -> RolloutFnTrainOutput:
-    """Sort finished groups (without loading them), run the batch hook if any, and publish the batch."""
-    from slime.data import transport
+    """Sort finished groups (without loading them), run the batch filter if any, and publish the batch.
+
+    `session` is the run's transport session (default: `current_session(args)`); Samples the batch filter
+    (`--rollout-sample-filter-path`) removed are reported to it by identity.
+    """
+    from slime.interfaces import current_session
     from slime.utils import misc
 
+    session = session if session is not None else current_session(args)
     groups.sort(key=_group_order)
-    dropped: list[int] = []
+    dropped: list = []
     hook_path = getattr(args, "rollout_sample_filter_path", None)
     if hook_path:
-        groups = transport.load_rollout_samples(groups)
-        incoming = _receipt_positions(groups)
-        misc.load_function(hook_path)(args, groups)
-        dropped = sorted(incoming - _receipt_positions(groups))
-    samples = transport.pack_rollout_payload(groups, args, rollout_id)
-    if dropped and transport.use_straw(args):
-        if controller is None:
-            raise ValueError("The batch hook dropped queue samples but no coordinator binding was given")
-        import ray
-
-        record = transport.pack_rollout_payload(
-            {"positions": dropped, "reason": "rollout_sample_filter", "output": samples}, args, rollout_id
-        )
-        ray.get(controller.record_dispositions.remote(record.manifest))
+        groups = session.load_groups(groups)
+        incoming = list(iter_samples(groups))
+        misc.load_function(misc.plugin_name("batch_filters", hook_path, args))(args, groups)
+        kept = {id(sample) for sample in iter_samples(groups)}
+        dropped = [sample for sample in incoming if id(sample) not in kept]
+    samples = session.publish_batch(groups, rollout_id, dropped=dropped)
     return RolloutFnTrainOutput(samples=samples, metrics=metrics)

@@ -1,8 +1,9 @@
 """Fully asynchronous rollout across nodes: one generation actor per node, scheduled with bounded prefetch.
 
 Each `_GenerationActor` runs an `AsyncRolloutWorker` over its own queue reader (a `QueueReader` built from
-the data source's `reader_config`), applies the dynamic filter where the group was generated and, with a
-durable transport, publishes kept groups there, so only small references travel back. `RolloutScheduler`
+the data source's `reader_config`), applies the dynamic filter where the group was generated and hands kept
+groups to the run's transport session there (the straw transport publishes them, so only small references
+travel back). `RolloutScheduler`
 keeps up to `capacity` results requested from each actor and assembles the step's batch.
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import ray
 
+from slime.interfaces import run_transport
 from slime.rollout.base_types import RolloutFnTrainOutput, finalize_rollout_groups
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput
 
@@ -23,23 +25,16 @@ class _GenerationActor:
     """Per-node generator (wrapped with `ray.remote` by `DistributedRollout`)."""
 
     def __init__(self, args: Any, reader_config: Any, reader_id: str, concurrency: int) -> None:
-        from slime.data.queue_data_source import QueueReader
         from slime.rollout.fully_async_rollout import AsyncRolloutWorker
 
         self.args = args
-        self.reader = QueueReader(
-            args,
-            reader_config.controller,
-            reader_id,
-            reader_config.dataset_size,
-            branch_id=getattr(reader_config, "branch_id", None),
-        )
+        self.reader = reader_config.open_reader(args, reader_id)
+        self.session = run_transport(args).rollout_session(self.reader.controller)
         self.worker = AsyncRolloutWorker(args, self.reader, concurrency=concurrency)
         self.worker.start()
 
     def take(self, rollout_id: int, limit: int) -> list[tuple[Any, DynamicFilterOutput]]:
         """Up to `limit` finished groups with their filter verdicts; kept groups already published."""
-        from slime.data import transport
         from slime.rollout.filter_hub.base_types import dynamic_filter_verdict
         from slime.rollout.fully_async_rollout import load_function
 
@@ -49,11 +44,9 @@ class _GenerationActor:
         for _, group in self.worker.get_completed_groups(limit):
             verdict = dynamic_filter_verdict(self.args, group, load_function)
             if verdict.keep:
-                group = transport.pack_rollout_group(group, self.args, rollout_id, controller=self.reader.controller)
+                group = self.session.publish_group_now(group, rollout_id)
             else:
-                transport.discard_rollout_group(
-                    group, self.args, verdict.reason or "filtered", controller=self.reader.controller
-                )
+                self.session.discard_group(group, verdict.reason or "filtered")
                 group = None
             results.append((group, verdict))
         return results
@@ -74,13 +67,12 @@ class _GenerationActor:
 class RolloutScheduler:
     """Collects `(group, verdict)` results from generation actors with at most `capacities[i]` in flight each."""
 
-    def __init__(self, args: Any, workers: list, capacities: list[int], *, controller: Any = None) -> None:
+    def __init__(self, args: Any, workers: list, capacities: list[int]) -> None:
         if len(workers) != len(capacities):
             raise ValueError("RolloutScheduler needs one capacity per worker")
         self.args = args
         self.workers = list(workers)
         self.capacities = [max(1, int(c)) for c in capacities]
-        self.controller = controller
         self.ready: list = []
 
     @property
@@ -122,7 +114,7 @@ class RolloutScheduler:
             metrics = {f"rollout/dynamic_filter/drop_{reason}": n for reason, n in dropped.items()}
             metrics["rollout/dynamic_filter/dropped_groups"] = count
             metrics["rollout/dynamic_filter/dropped_ratio"] = count / max(seen, 1)
-        return finalize_rollout_groups(self.args, rollout_id, kept, metrics, controller=self.controller)
+        return finalize_rollout_groups(self.args, rollout_id, kept, metrics)
 
     def pause(self, drain: bool = True) -> None:
         ray.get([worker.pause.remote(drain) for worker in self.workers])
@@ -163,4 +155,4 @@ class DistributedRollout(RolloutScheduler):
         ]
         n_per_prompt = int(getattr(args, "n_samples_per_prompt", 1) or 1)
         capacity = max(1, per_worker // n_per_prompt)
-        super().__init__(args, workers, [capacity] * len(workers), controller=getattr(data_buffer, "controller", None))
+        super().__init__(args, workers, [capacity] * len(workers))

@@ -1,8 +1,8 @@
 """Fully asynchronous rollout: a background worker keeps generating groups between training steps.
 
 The data source owns the worker (`data_buffer.consumers["fully_async"]`) so that the manager can pause it
-around checkpoints. Each step drains exactly the groups it still needs; with a durable transport each kept
-group is published before the next one is taken, so generation and storage overlap.
+around checkpoints. Each step drains exactly the groups it still needs and hands each kept group to the
+run's transport session before the next one is taken, so generation and storage overlap.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import queue
 import threading
 from typing import Any
 
+from slime.interfaces import current_session
 from slime.rollout.base_types import RolloutFnTrainOutput, finalize_rollout_groups, iter_samples
 from slime.rollout.filter_hub.base_types import dynamic_filter_verdict
 from slime.utils.misc import load_function
@@ -165,14 +166,12 @@ def _get_worker(args: Any, data_buffer: Any) -> Any:
     return worker
 
 
-async def _generate_rollout_async(args: Any, rollout_id: int, data_buffer: Any) -> Any:
-    from slime.data import transport
-
+async def _generate_rollout_async(args: Any, rollout_id: int, data_buffer: Any) -> RolloutFnTrainOutput:
+    """Take finished groups from the background worker until the batch is full; kept groups go to the session."""
     worker = _get_worker(args, data_buffer)
     worker.resume()
-    controller = getattr(data_buffer, "controller", None)
+    session = current_session(args)
     target = int(args.rollout_batch_size)
-    straw = transport.use_straw(args)
     collected: list = []
     dropped: dict[str, int] = {}
     seen = 0
@@ -189,13 +188,9 @@ async def _generate_rollout_async(args: Any, rollout_id: int, data_buffer: Any) 
             if not verdict.keep:
                 reason = verdict.reason or "filtered"
                 dropped[reason] = dropped.get(reason, 0) + 1
-                await asyncio.to_thread(transport.discard_rollout_group, group, args, reason, controller=controller)
+                await asyncio.to_thread(session.discard_group, group, reason)
                 continue
-            if straw:
-                group = await transport.publish_rollout_async(
-                    group, args, rollout_id, group=True, controller=controller
-                )
-            collected.append(group)
+            collected.append(await session.publish_group(group, rollout_id))
     metrics = None
     if dropped:
         count = sum(dropped.values())
@@ -203,13 +198,8 @@ async def _generate_rollout_async(args: Any, rollout_id: int, data_buffer: Any) 
         metrics["rollout/dynamic_filter/dropped_groups"] = count
         metrics["rollout/dynamic_filter/dropped_ratio"] = count / max(seen, 1)
     if getattr(args, "rollout_sample_filter_path", None):
-        output = finalize_rollout_groups(args, rollout_id, collected, metrics, controller=controller)
-    else:
-        output = await asyncio.to_thread(
-            finalize_rollout_groups, args, rollout_id, collected, metrics, controller=controller
-        )
-    filters = getattr(args, "dynamic_sampling_filter_path", None) or getattr(args, "rollout_sample_filter_path", None)
-    return output if filters or straw else output.samples
+        return finalize_rollout_groups(args, rollout_id, collected, metrics, session=session)
+    return await asyncio.to_thread(finalize_rollout_groups, args, rollout_id, collected, metrics, session=session)
 
 
 def generate_rollout_fully_async(

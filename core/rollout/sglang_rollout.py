@@ -3,7 +3,8 @@
 Engines are reached at `args.rollout_router_url` when set, else round robin over `args.rollout_engine_urls`
 (the manager fills these in). Groups of `n_samples_per_prompt` samples are generated concurrently
 (`--sglang-server-concurrency` requests at a time), scored (`slime.rollout.rm_hub`), filtered
-(`--dynamic-sampling-filter-path`) and, with a durable transport, published *while generation continues*.
+(`--dynamic-sampling-filter-path`) and handed to the run's transport session *while generation continues*
+(`slime.interfaces.current_session`: the straw transport publishes each kept group durably right away).
 
 A request that fails (connection refused or reset, timeout, HTTP 5xx, a malformed reply) is retried
 `--rollout-request-retries` times, each time on another engine when there is one; an engine that cannot be
@@ -20,10 +21,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+from slime.interfaces import current_session, run_transport
 from slime.rollout import rm_hub
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, finalize_rollout_groups, iter_samples
 from slime.rollout.filter_hub.base_types import dynamic_filter_verdict
-from slime.utils.misc import load_function
+from slime.utils.misc import load_function, plugin_name
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
@@ -285,8 +287,6 @@ async def _post_generate(state: GenerateState, body: dict) -> _Reply:
 
 async def generate_and_rm(args: Any, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample:
     """Generate one sample (custom `--custom-generate-function-path` when set) and score it."""
-    from slime.data import transport
-
     state = GenerateState(args)
     path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
     async with state.semaphore:
@@ -294,13 +294,10 @@ async def generate_and_rm(args: Any, sample: Sample, sampling_params: dict, eval
             sample.status = Sample.Status.ABORTED
             return sample
         if path:
-            transport.inherit_queue_context(sample, sample)
             result = await load_function(path)(args, sample, sampling_params)
+            transport = run_transport(args)
             for produced in iter_samples(result):
-                transport.inherit_queue_context(sample, produced)
-                if getattr(sample, "_queue_lease", None) is not None:
-                    requests = getattr(produced, "queue_generation_requests", None) or 0
-                    produced.queue_generation_requests = requests + 1
+                transport.adopt_generated(sample, produced)
         else:
             result = await generate(args, sample, sampling_params)
     for produced in iter_samples(result):
@@ -349,17 +346,14 @@ def _first_index(group: Any) -> int:
 
 async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -> tuple[RolloutFnTrainOutput, list]:
     """Generate until `rollout_batch_size` groups are kept; returns the output and the aborted groups."""
-    from slime.data import transport
-
     state = GenerateState(args)
-    controller = getattr(getattr(data_source, "__self__", None), "controller", None)
+    session = current_session(args)
     hook_path = getattr(args, "rollout_all_samples_process_path", None)
-    publish = transport.use_straw(args) and not hook_path
     data: list = []
     all_data: list = []
     dropped: dict[str, int] = {}
     try:
-        await _collect(args, rollout_id, data_source, state, data, all_data, dropped, controller, publish)
+        await _collect(args, rollout_id, data_source, state, data, all_data, dropped, session)
     except BaseException:
         for task in state.pendings:
             task.cancel()
@@ -370,13 +364,11 @@ async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -
     state.reset()
     metrics = _filter_metrics(dropped, len(all_data))
     if hook_path:
-        return await _run_all_samples_hook(args, rollout_id, data_source, data, all_data, metrics, controller), aborted
+        return await _run_all_samples_hook(args, rollout_id, data_source, data, all_data, metrics, session), aborted
     if getattr(args, "rollout_sample_filter_path", None):
-        output = finalize_rollout_groups(args, rollout_id, data, metrics, controller=controller)
+        output = finalize_rollout_groups(args, rollout_id, data, metrics, session=session)
     else:
-        output = await asyncio.to_thread(
-            finalize_rollout_groups, args, rollout_id, data, metrics, controller=controller
-        )
+        output = await asyncio.to_thread(finalize_rollout_groups, args, rollout_id, data, metrics, session=session)
     return output, aborted
 
 
@@ -388,12 +380,13 @@ async def _collect(
     data: list,
     all_data: list,
     dropped: dict,
-    controller: Any,
-    publish: bool,
+    session: Any,
 ) -> None:
-    """Generate until `rollout_batch_size` groups are kept; kept groups are published as they finish."""
-    from slime.data import transport
+    """Generate until `rollout_batch_size` groups are kept; kept groups go to the session as they finish.
 
+    With `--rollout-all-samples-process-path` the legacy hook must see every Sample in memory, so groups are
+    neither published nor discarded here (the hook's caller publishes the kept ones afterwards).
+    """
     reader = getattr(data_source, "__self__", None)
     target = int(args.rollout_batch_size)
     over_sampling = int(getattr(args, "over_sampling_batch_size", None) or target)
@@ -423,31 +416,25 @@ async def _collect(
                 reason = verdict.reason or "filtered"
                 dropped[reason] = dropped.get(reason, 0) + 1
                 if not hook_path:
-                    await asyncio.to_thread(transport.discard_rollout_group, group, args, reason, controller=controller)
+                    await asyncio.to_thread(session.discard_group, group, reason)
                 continue
-            if publish:
-                group = await transport.publish_rollout_async(
-                    group, args, rollout_id, group=True, controller=controller
-                )
+            if not hook_path:
+                group = await session.publish_group(group, rollout_id)
             data.append(group)
 
 
 async def _run_all_samples_hook(
-    args: Any, rollout_id: int, data_source: Any, data: list, all_data: list, metrics: dict | None, controller: Any
+    args: Any, rollout_id: int, data_source: Any, data: list, all_data: list, metrics: dict | None, session: Any
 ) -> RolloutFnTrainOutput:
     """Legacy `--rollout-all-samples-process-path`: the hook sees every Sample in memory, then kept groups are
     published (the hook's mutations included)."""
-    from slime.data import transport
-
     data.sort(key=_first_index)
     all_data.sort(key=_first_index)
     if getattr(args, "rollout_sample_filter_path", None):
-        load_function(args.rollout_sample_filter_path)(args, data)
+        load_function(plugin_name("batch_filters", args.rollout_sample_filter_path, args))(args, data)
     load_function(args.rollout_all_samples_process_path)(args, all_data, data_source)
-    if not transport.use_straw(args):
-        return RolloutFnTrainOutput(samples=data, metrics=metrics)
-    refs = [await transport.publish_rollout_async(g, args, rollout_id, group=True, controller=controller) for g in data]
-    reference = await transport.publish_rollout_async(refs, args, rollout_id)
+    refs = [await session.publish_group(group, rollout_id) for group in data]
+    reference = await asyncio.to_thread(session.publish_batch, refs, rollout_id)
     return RolloutFnTrainOutput(samples=reference, metrics=metrics)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slime.utils.durable import fsync_path, write_atomically
+from slime.utils.atomic_files import fsync_path, write_atomically
 
 
 def test_replaces_whole_file_and_leaves_no_partial(tmp_path):
