@@ -18,7 +18,7 @@ Who calls what, in one training step:
 | a generation hook returned new samples | `generate_and_rm` | `adopt_generated(source, produced)` |
 | the step's output comes back | `RolloutManager` | `accept_rollout(...)` or `replay_archive(...)` |
 | the batch is converted | `BatchBuilder.split_by_dp` | `shard_batch(builder, data)` |
-| each training rank loads its shard | `slime.utils.data.process_rollout_data` | the shard's own `load()` (`ShardReference`) |
+| a training rank loads its shard | `process_rollout_data` | the shard reference's `load()` |
 | a checkpoint is saved / restored | `RolloutManager.save` / `.load` | `save_state(...)`, `load_state(...)` |
 | the manager is disposed | `RolloutManager.dispose` | `seal()` |
 
@@ -83,7 +83,7 @@ class RolloutSession(abc.ABC):
 
     @abc.abstractmethod
     def discard_group(self, group: Any, reason: str) -> None:
-        """Drop a group a filter rejected (or that was aborted), recording `reason` where the transport keeps records."""
+        """Drop a group a filter rejected (or that was aborted), recording `reason` where records are kept."""
 
     @abc.abstractmethod
     def load_groups(self, groups: Any) -> list:
@@ -136,9 +136,7 @@ class Transport(abc.ABC):
         """Prove that every node of the cluster can use the run's storage; raise naming the path otherwise."""
 
     @abc.abstractmethod
-    def open_data_source(
-        self, source_cls: Any, *, restore_plan: Any, serving: Any, service: Any
-    ) -> OpenedSource:
+    def open_data_source(self, source_cls: Any, *, restore_plan: Any, serving: Any, service: Any) -> OpenedSource:
         """Build the data source from its class and bind it to the run's service (creating one if needed).
 
         `service` is a service the serving deployment already holds (or None); `serving` is the serving

@@ -260,7 +260,7 @@ def test_prompt_tasks_are_produced_once_and_handed_back(tmp_path, monkeypatch):
             source.save(0)
             saved = json.loads((tmp_path / "save" / "rollout" / "queue_state_0.json").read_text())
             assert saved["storage_owner"].startswith("checkpoint:") and saved["version"] == 1
-            with pytest.raises(ValueError, match="carry _queue_lease"):
+            with pytest.raises(ValueError, match="carry its lease"):
                 source.add_samples([[Sample()]])
         finally:
             source.close()

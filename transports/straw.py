@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from slime import hookimpl
+from slime.data import queue_state
+from slime.data.queue_state import QueueState
 from slime.interfaces import OpenedSource, RolloutSession, Transport
 from slime.specs import DataSourceSpec, TransportSpec
 
@@ -57,13 +59,7 @@ class StrawSession(RolloutSession):
         """Publish the batch manifest; queue samples a batch filter removed get a recorded disposition."""
         data_transport = _data_transport()
         samples = data_transport.pack_rollout_payload(groups, self.args, rollout_id)
-        positions = sorted(
-            {
-                sample._queue_receipt["position"]
-                for sample in dropped or ()
-                if getattr(sample, "_queue_receipt", None) is not None
-            }
-        )
+        positions = sorted({p for sample in dropped or () if (p := QueueState.of(sample).position) is not None})
         if positions:
             if self.controller is None:
                 raise ValueError(
@@ -138,8 +134,9 @@ class StrawTransport(Transport):
     def adopt_generated(self, source: Any, produced: Any) -> None:
         """Produced samples keep the source's queue task and count as one more generation request of it."""
         _data_transport().inherit_queue_context(source, produced)
-        if produced is not source and getattr(source, "_queue_lease", None) is not None:
-            produced.queue_generation_requests = (getattr(produced, "queue_generation_requests", None) or 0) + 1
+        if produced is not source and QueueState.of(source).lease is not None:
+            requests = QueueState.of(produced).generation_requests or 0
+            queue_state.stamp(produced, generation_requests=requests + 1)
 
     def accept_rollout(self, output: Any, rollout_id: int, *, service: Any) -> tuple[Any, dict | None, Any]:
         """Accept the step into the queue; Samples the output holds in memory are used as they are."""

@@ -29,6 +29,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from slime.data import queue_state
+from slime.data.queue_state import QueueState
 from slime.data.refs import DiskPayloadRef
 from slime.rollout.base_types import iter_samples
 from slime.utils.atomic_files import fsync_path
@@ -43,14 +45,6 @@ CHUNKS_PER_BUNDLE = 16
 #: Pool and run of archives written without a durable run transport.
 STANDALONE_DIRECTORY = "straw-data"
 STANDALONE_RUN_ID = "debug-rollout"
-#: Live queue control attributes that an archived Sample must not carry back into a queue.
-LIVE_QUEUE_FIELDS = (
-    "_queue_lease",
-    "_queue_receipt",
-    "_queue_source_positions",
-    "_queue_generation_start",
-    "_queue_resume_origin",
-)
 
 
 def sample_keys(samples: Iterable[Sample]) -> list[tuple[str, str | None]]:
@@ -63,18 +57,13 @@ def sample_keys(samples: Iterable[Sample]) -> list[tuple[str, str | None]]:
 
 
 def _task_key(sample: Sample) -> str | None:
-    authorization = getattr(sample, "_queue_receipt", None) or getattr(sample, "_queue_lease", None)
-    if authorization is None:
-        return None
-    task_id = authorization.get("task_id") if isinstance(authorization, dict) else authorization.task_id
-    return None if task_id is None else str(task_id)
+    return QueueState.of(sample).task_id
 
 
 def _detach(sample: Sample) -> Sample:
     """A shallow copy without live queue authorization (tensor fields stay lazy references)."""
     sample = copy.copy(sample)
-    for name in LIVE_QUEUE_FIELDS:
-        sample.__dict__.pop(name, None)
+    queue_state.clear_live(sample)
     return sample
 
 

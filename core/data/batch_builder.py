@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 
+from slime.data.queue_state import QueueState
 from slime.data.refs import DiskPayloadRef, TrainBatchRef
 from slime.data.transport import pack_rollout_payload, rollout_store
 from slime.interfaces import run_transport
@@ -189,13 +190,12 @@ class BatchBuilder:
 
         positions = {self.raw_ref.receipt.position}
         for sample in samples:
-            positions.update(getattr(sample, "_queue_source_positions", None) or ())
-            receipt = getattr(sample, "_queue_receipt", None)
-            lease = getattr(sample, "_queue_lease", None)
-            if receipt:
-                positions.add(int(receipt["position"]))
-            elif lease:
-                result = ray.get(self.controller.result.remote(Lease(**lease)))
+            state = QueueState.of(sample)
+            positions.update(state.source_positions or ())
+            if state.receipt:
+                positions.add(state.position)
+            elif state.lease:
+                result = ray.get(self.controller.result.remote(Lease(**state.lease)))
                 if result is not None:
                     positions.add(result.position)
         return sorted(positions)

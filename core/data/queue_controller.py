@@ -23,6 +23,7 @@ from typing import Any
 
 from slime.data.checkpoint import RestorePlan
 from slime.data.queue_prompts import PromptTasks
+from slime.data.queue_state import QueueState
 from slime.data.refs import DiskPayloadRef
 from slime.data.transport import resolve_rollout_data_dir, rollout_store
 
@@ -512,10 +513,10 @@ class RolloutQueueController(PromptTasks):
             elif isinstance(item, (list, tuple)):
                 stack.extend(item)
             elif hasattr(item, "__dict__") and not isinstance(item, DiskPayloadRef):
-                receipt = getattr(item, "_queue_receipt", None)
-                if receipt:
-                    found.add(int(receipt["position"]))
-                found.update(getattr(item, "_queue_source_positions", None) or ())
+                state = QueueState.of(item)
+                if state.receipt:
+                    found.add(state.position)
+                found.update(state.source_positions or ())
         return found
 
     def _publish_disposition(self, positions: list[int], reason: str) -> Any:

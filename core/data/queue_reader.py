@@ -1,8 +1,8 @@
 """Queue-backed data sources: `QueueReader` (one per generating process) and `QueueDataSource` (the manager's).
 
 A reader leases prompt tasks from the controller, loads their input groups straight from storage and stamps
-every Sample with its queue context (`_queue_lease`, `_queue_generation_start`, `_queue_branch`,
-`_queue_source_positions`), so finished groups can be accepted as the task's result. A heartbeat thread
+every Sample with its queue context (`slime.data.queue_state`: lease, generation start, branch, source
+positions), so finished groups can be accepted as the task's result. A heartbeat thread
 renews held leases every `lease_seconds / 3`. `QueueDataSource` additionally owns the source checkpoint
 (`queue_state_<id>.json`) and, when it made it, the controller.
 """
@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from slime.data import queue_state
 from slime.data.checkpoint import RestorePlan, SourceRestore
 from slime.data.data_source import DataSource
 from slime.data.transport import group_lease, pack_rollout_payload, rollout_store
@@ -100,11 +101,14 @@ class QueueReader(DataSource):
     def _stamp(self, group: Any, entry: dict) -> Any:
         lease = asdict(entry["lease"])
         for sample in iter_samples(group):
-            sample._queue_lease = lease
-            sample._queue_generation_start = len(sample.tokens)
-            sample._queue_branch = self.branch_id
-            sample._queue_source_positions = list(entry["source_positions"])
-            sample.__dict__.pop("_queue_receipt", None)
+            queue_state.stamp(
+                sample,
+                lease=lease,
+                generation_start=len(sample.tokens),
+                branch=self.branch_id,
+                source_positions=list(entry["source_positions"]),
+            )
+            queue_state.remove(sample, "receipt")
         return group
 
     def get_samples(self, num_samples: int) -> list[list[Sample]]:
@@ -140,7 +144,7 @@ class QueueReader(DataSource):
         for group in samples:
             lease = group_lease(group)
             if lease is None:
-                raise ValueError("add_samples takes groups leased from this queue (they carry _queue_lease)")
+                raise ValueError("add_samples takes groups leased from this queue (they carry its lease)")
             ready = all(sample.status in _FINISHED for sample in iter_samples(group))
             ref = pack_rollout_payload(group, self.args, None, submission_id=f"handback:{lease.attempt_id}")
             updates.append(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["TensorRef", "is_tensor_ref", "materialize_tensor_refs"]
+__all__ = ["TensorRef", "is_tensor_ref", "materialize_tensor_refs"]  # noqa: F822 - TensorRef comes from __getattr__
 
 
 def __getattr__(name: str) -> Any:

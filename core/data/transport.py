@@ -2,8 +2,9 @@
 
 These are the straw transport's operations (`slime.transports.straw` adapts them to the `Transport`
 interface): payloads go to a shared pool through one cached writer per process and only frozen references
-(`slime.data.refs`) travel through Ray. Orchestration never calls them directly; it asks the run's transport. Names that tests patch
-(`pack_rollout_group`, `ray`, ...) are looked up through this module at call time.
+(`slime.data.refs`) travel through Ray. Orchestration never calls them directly; it asks the run's
+transport. Names that tests patch (`pack_rollout_group`, `ray`, ...) are looked up through this module at
+call time.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 
 import ray
 
+from slime.data import queue_state
+from slime.data.queue_state import QueueState
 from slime.data.refs import DiskPayloadRef, RawRolloutRef, RolloutGroupRef, TrainBatchRef
 from slime.rollout.base_types import iter_samples
 
@@ -52,16 +55,6 @@ __all__ = [
 ]
 
 ARCHIVE_FORMAT = "slime.straw-debug"
-QUEUE_FIELDS = (
-    "_queue_lease",
-    "_queue_receipt",
-    "_queue_source_positions",
-    "_queue_resume_origin",
-    "_queue_generation_start",
-    "_queue_branch",
-    "queue_policy_segments",
-    "queue_generation_requests",
-)
 _RELEASE_BATCH = 128
 
 _writers: dict[tuple, tuple[Any, threading.RLock]] = {}
@@ -213,7 +206,7 @@ def pack_rollout_payload(
 
 def group_lease(group: Any) -> Any:
     """The one queue lease (`straw.protocol.Lease`) that all trajectories of `group` carry, or None."""
-    leases = [sample._queue_lease for sample in iter_samples(group) if getattr(sample, "_queue_lease", None)]
+    leases = [lease for sample in iter_samples(group) if (lease := QueueState.of(sample).lease)]
     if not leases:
         return None
     if any(lease != leases[0] for lease in leases[1:]):
@@ -226,35 +219,33 @@ def group_lease(group: Any) -> Any:
 def record_generation_provenance(group: Any) -> None:
     """Append a policy segment for tokens generated since the last record, for samples on a queue branch."""
     for sample in iter_samples(group):
-        start = getattr(sample, "_queue_generation_start", None)
-        branch = getattr(sample, "_queue_branch", None)
+        state = QueueState.of(sample)
+        start, branch = state.generation_start, state.branch
         if start is None or branch is None:
             continue
         stop = len(sample.tokens)
         if stop <= start:
             continue
-        segments = list(getattr(sample, "queue_policy_segments", None) or [])
+        segments = list(state.policy_segments or [])
         if not segments and start > 0:
             segments.append({"start": 0, "stop": start, "branch": None, "reported_versions": None})
         segments.append(
             {"start": start, "stop": stop, "branch": branch, "reported_versions": list(sample.weight_versions or [])}
         )
-        sample.queue_policy_segments = segments
-        sample._queue_generation_start = stop
+        queue_state.stamp(sample, policy_segments=segments, generation_start=stop)
 
 
 def inherit_queue_context(source: Any, output: Any) -> Any:
     """Carry the input Sample's queue fields onto the Samples a custom generate function returned."""
+    theirs = QueueState.of(source)
     for sample in iter_samples(output):
         if sample is source:
             continue
-        for name in ("_queue_lease", "_queue_receipt"):
-            mine, theirs = getattr(sample, name, None), getattr(source, name, None)
-            if mine is not None and mine != theirs:
+        mine = QueueState.of(sample)
+        for field in ("lease", "receipt"):
+            if getattr(mine, field) is not None and getattr(mine, field) != getattr(theirs, field):
                 raise ValueError("A generation hook returned a different queue task authorization")
-        for name in QUEUE_FIELDS:
-            if hasattr(source, name):
-                setattr(sample, name, getattr(source, name))
+        queue_state.copy_state(source, sample)
     return output
 
 
@@ -357,8 +348,7 @@ def discard_rollout_group(group: Any, args: Any, reason: str = "dynamic filter",
             raise ValueError("Queue group has a lease but no coordinator binding")
         ray.get(controller.reject.remote(lease, reason))
         return
-    receipts = [getattr(s, "_queue_receipt", None) for s in iter_samples(group)]
-    positions = sorted({receipt["position"] for receipt in receipts if receipt})
+    positions = sorted({p for s in iter_samples(group) if (p := QueueState.of(s).position) is not None})
     if positions:
         if controller is None:
             raise ValueError("Queue samples were discarded but no coordinator binding was given")
@@ -403,9 +393,9 @@ def _read_group(element: Any) -> Any:
         receipt = dataclasses.asdict(element.receipt)
         for sample in iter_samples(value):
             if element.source_positions is not None:
-                sample._queue_source_positions = list(element.source_positions)
-            sample.__dict__.pop("_queue_lease", None)
-            sample._queue_receipt = receipt
+                queue_state.stamp(sample, source_positions=list(element.source_positions))
+            queue_state.remove(sample, "lease")
+            queue_state.stamp(sample, receipt=receipt)
     return value
 
 
@@ -440,7 +430,7 @@ def accept_raw_rollout(output: Any, args: Any, rollout_id: Any, *, controller: A
         if isinstance(group, RolloutGroupRef) and group.receipt is not None:
             continue
         for sample in iter_samples(unpack_rollout_payload(group)):
-            lease = getattr(sample, "_queue_lease", None)
+            lease = QueueState.of(sample).lease
             if lease:
                 leased.setdefault((lease["task_id"], lease["attempt_id"]), []).append(sample)
     for samples in leased.values():

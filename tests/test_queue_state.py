@@ -1,0 +1,32 @@
+"""The typed record of a Sample's queue bookkeeping (`slime.data.queue_state`)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from slime.data import queue_state
+from slime.data.queue_state import ATTRIBUTES, LIVE_FIELDS, QueueState
+from slime.utils.types import Sample
+
+
+def test_record_and_attribute_table_name_the_same_fields():
+    assert {field.name for field in fields(QueueState)} == set(ATTRIBUTES)
+    assert set(LIVE_FIELDS) <= set(ATTRIBUTES)
+
+
+def test_stamp_read_copy_and_clear_live():
+    sample = Sample(index=3)
+    assert QueueState.of(sample) == QueueState()
+    queue_state.stamp(sample, lease={"task_id": "prompt:3", "attempt_id": "a"}, branch="b", source_positions=[7])
+    state = QueueState.of(sample)
+    assert state.task_id == "prompt:3" and state.position is None and state.branch == "b"
+    queue_state.stamp(sample, receipt={"position": 12, "task_id": "prompt:3"})
+    assert QueueState.of(sample).position == 12
+    produced = Sample(index=4)
+    queue_state.copy_state(sample, produced)
+    assert QueueState.of(produced) == QueueState.of(sample)
+    queue_state.clear_live(produced)
+    cleared = QueueState.of(produced)
+    assert cleared.lease is None and cleared.receipt is None and cleared.source_positions is None
+    assert cleared.branch == "b"  # provenance stays
+    assert QueueState.of(sample).lease is not None  # the source is untouched
