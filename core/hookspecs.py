@@ -44,7 +44,7 @@ hookspec = pluggy.HookspecMarker("slime")
 def slime_addoption(parser: argparse.ArgumentParser) -> None:
     """Add command-line options. Called once per plugin when the plugin is registered (historic).
 
-    Example: `parser.add_argument("--foo-temperature", type=float, default=1.0)`.
+    Example (the built-in CPU engine): `parser.add_argument("--cpu-engine-num-threads", type=int, default=1)`.
     """
 
 

@@ -154,6 +154,45 @@ def named_plugin_defaults(pm: pluggy.PluginManager, selection: PluginSelection) 
     return defaults
 
 
+#: How messages name one thing of each registry kind.
+KIND_NAMES = {
+    "data_sources": "data source",
+    "rollout_functions": "rollout function",
+    "batch_filters": "batch filter",
+    "reward_functions": "reward function",
+    "checkpoint_policies": "checkpoint policy",
+    "transports": "transport",
+    "rollout_engines": "rollout engine",
+    "train_backends": "train backend",
+}
+
+
+def _plural(kind: str) -> str:
+    return KIND_NAMES[kind].removesuffix("y") + "ies" if kind.endswith("ies") else KIND_NAMES[kind] + "s"
+
+
+def check_kind(kind: str) -> str:
+    """`kind` itself, or a ValueError listing the registry kinds."""
+    if kind not in KIND_NAMES:
+        raise ValueError(f"Unknown registry kind {kind!r}; kinds: {', '.join(KIND_NAMES)}")
+    return kind
+
+
+def import_dotted_path(path: str) -> Any:
+    """The attribute `name` of module `package.module` for `path` = "package.module.name"."""
+    module_name, _, attribute = path.rpartition(".")
+    if not module_name or not attribute:
+        raise ValueError(f"{path!r} is not a dotted path like 'package.module.name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(f"Cannot import {module_name!r} to load {path!r}: {exc}", name=exc.name) from exc
+    try:
+        return getattr(module, attribute)
+    except AttributeError as exc:
+        raise AttributeError(f"Module {module_name!r} has no attribute {attribute!r} (from {path!r})") from exc
+
+
 @dataclass(frozen=True)
 class Registry:
     """What the loaded plugins provide, by kind (`transports`, `data_sources`, ...) and name."""
@@ -166,16 +205,33 @@ class Registry:
         specs = self.kinds[kind]
         if name not in specs:
             available = ", ".join(sorted(specs)) or "none"
-            singular = kind.removesuffix("s").replace("_", " ").replace("policie", "policy")
-            raise PluginError(f"No {singular} named {name!r}; available: {available}")
+            raise PluginError(f"No {KIND_NAMES[kind]} named {name!r}; available: {available}")
         return specs[name]
 
-    def find(self, name: str, kinds: Iterable[str]) -> ProvidedSpec | None:
-        """The single spec named `name` among `kinds`, or None; ambiguous names are an error."""
-        found = [(kind, self.kinds[kind][name]) for kind in kinds if name in self.kinds[kind]]
-        if len(found) > 1:
-            raise PluginError(f"Name {name!r} is provided as several kinds: {', '.join(k for k, _ in found)}")
-        return found[0][1] if found else None
+    def resolve(self, kind: str, value: str) -> Any:
+        """The object `value` names as a `kind`: a name registered under `kind`, else a dotted path, imported.
+
+        A name registered only under other kinds is refused, naming what it is and which plugin provides it,
+        so that a reward function given as a filter fails at parse time rather than mid-rollout.
+        """
+        specs = self.kinds[check_kind(kind)]
+        if value in specs:
+            return specs[value].target
+        others = [other for other, named in self.kinds.items() if value in named]
+        if others:
+            what = " and ".join(f"a {KIND_NAMES[other]}" for other in others)
+            plugins = list(dict.fromkeys(repr(self.providers[(other, value)]) for other in others))
+            raise PluginError(
+                f"{value!r} is {what}, not a {KIND_NAMES[kind]} "
+                f"(provided by plugin{'s' * (len(plugins) > 1)} {' and '.join(plugins)}); "
+                f"registered {_plural(kind)}: {', '.join(sorted(specs)) or 'none'}"
+            )
+        if "." in value:
+            return import_dotted_path(value)
+        raise PluginError(
+            f"No {KIND_NAMES[kind]} named {value!r}; registered {_plural(kind)}: {', '.join(sorted(specs)) or 'none'} "
+            f"(or give a dotted path package.module.name)"
+        )
 
 
 def collect_registry(pm: pluggy.PluginManager) -> Registry:
@@ -214,9 +270,14 @@ def _registry(selection: PluginSelection) -> Registry:
     return collect_registry(build_plugin_manager(selection))
 
 
+def registry_of(selection: PluginSelection | None) -> Registry:
+    """The registry of a plugin selection; None means the built-ins alone."""
+    selection = selection or PluginSelection(autoload=False)
+    if not isinstance(selection, PluginSelection):
+        raise TypeError(f"plugin selection must be a PluginSelection, got {type(selection).__name__}")
+    return _registry(selection)
+
+
 def registry_for(args: Any = None) -> Registry:
     """The registry of a run's selection (`args.plugin_selection`), or of the built-ins alone."""
-    selection = getattr(args, "plugin_selection", None) or PluginSelection(autoload=False)
-    if not isinstance(selection, PluginSelection):
-        raise TypeError(f"args.plugin_selection must be a PluginSelection, got {type(selection).__name__}")
-    return _registry(selection)
+    return registry_of(getattr(args, "plugin_selection", None))

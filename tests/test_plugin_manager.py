@@ -48,8 +48,8 @@ def clean_modules():
 def test_builtins_provide_the_three_transports():
     registry = registry_for(None)
     assert set(registry.kinds["transports"]) >= {"object-store", "nixl", "straw"}
-    assert registry.get("transports", "straw").durable
-    assert not registry.get("transports", "object-store").durable
+    assert registry.get("transports", "straw").checkpoint_policy == "joint"
+    assert registry.get("transports", "object-store").checkpoint_policy == "plain"
     assert registry.providers[("transports", "straw")] == "straw"
 
 
@@ -72,7 +72,7 @@ def test_dotted_module_plugin_and_duplicate_names_name_both(clean_modules):
 def test_blocking_a_builtin_removes_what_it_provides(clean_modules):
     @hookimpl
     def slime_transports():
-        return [TransportSpec("straw", None, durable=True)]
+        return [TransportSpec("straw", None, checkpoint_policy="joint")]
 
     _module("fake_slime_plugin_replacement", slime_transports=slime_transports)
     selection = PluginSelection(plugins=("fake_slime_plugin_replacement",), blocked=("straw",))
@@ -289,10 +289,10 @@ def test_data_source_defaults_to_the_transports_own(monkeypatch):
         == "queue"
     )
     assert parse_args(["--hf-checkpoint", "m", "--prompt-data", "p"]).data_source_path == "prompts"
-    given = parse_args(
-        ["-p", "straw", "--data-source-path", "pkg.Source", "--hf-checkpoint", "m", "--prompt-data", "p"]
-    )
-    assert given.data_source_path == "pkg.Source"
     from slime.data.queue_data_source import QueueDataSource
+
+    dotted = "slime.data.queue_data_source.QueueDataSource"
+    given = parse_args(["-p", "straw", "--data-source-path", dotted, "--hf-checkpoint", "m", "--prompt-data", "p"])
+    assert given.data_source_path == dotted
 
     assert load_function("queue") is QueueDataSource

@@ -23,6 +23,7 @@ from typing import Any
 from slime import hookimpl
 from slime.data import queue_state
 from slime.data.queue_state import QueueState
+from slime.data.straw_settings import StrawSettings
 from slime.interfaces import OpenedSource, RolloutSession, Transport
 from slime.specs import DataSourceSpec, TransportSpec
 
@@ -161,7 +162,7 @@ class StrawTransport(Transport):
         archive = RolloutArchive(path)
         try:
             pool = str(Path(args.rollout_data_dir).expanduser().resolve())
-            run_id = getattr(args, "rollout_queue_run_id", None) or "rollout"
+            run_id = StrawSettings.from_args(args).run_id
             if str(Path(archive.index["root"]).resolve()) != pool or archive.manifest.manifest.segment.run_id != run_id:
                 raise ValueError(
                     f"Debug rollout archives must belong to the same Straw storage pool and run: {path} was written "

@@ -23,6 +23,7 @@ import ray
 
 from slime.data.queue_state import QueueState
 from slime.data.refs import DiskPayloadRef, TrainBatchRef
+from slime.data.straw_settings import StrawSettings
 from slime.data.transport import pack_rollout_payload, rollout_store
 from slime.interfaces import run_transport
 from slime.utils.dp_schedule import build_dp_schedule
@@ -428,7 +429,7 @@ class BatchBuilder:
             path,
             {
                 "version": 1,
-                "run_id": getattr(self.args, "rollout_queue_run_id", None) or "rollout",
+                "run_id": StrawSettings.from_args(self.args).run_id,
                 "rollout_id": rollout_id,
                 "consumer": state,
                 "storage_owner": owner,
@@ -449,7 +450,7 @@ class BatchBuilder:
         if not path.exists():
             return
         saved = json.loads(path.read_text())
-        run_id = getattr(args, "rollout_queue_run_id", None) or "rollout"
+        run_id = StrawSettings.from_args(args).run_id
         if saved.get("version") != 1 or saved.get("run_id") != run_id:
             raise ValueError(f"BatchBuilder checkpoint run/schema differs: {path} (expected version 1, run {run_id})")
         consumer = saved["consumer"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from slime.data.straw_settings import StrawSettings
 from slime.utils.atomic_files import fsync_path
 
 logger = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ def commit_checkpoint(
             "resumable": resumable,
             "weight_version": weight_version if weight_version is not None else rollout_id + 1,
             "rollout_data_dir": str(Path(pool).resolve()) if pool else None,
-            "run_id": getattr(args, "rollout_queue_run_id", None) or "rollout",
+            "run_id": StrawSettings.from_args(args).run_id,
         },
     )
     if restore_plan is not None and restore_plan.root:
@@ -421,7 +422,7 @@ def _apply_selection(args: Any, selected: tuple[Path, int, Any], branch: dict[st
         )
     dataset_cursor = None
     if value is not None:
-        run_id = getattr(args, "rollout_queue_run_id", None) or "rollout"
+        run_id = StrawSettings.from_args(args).run_id
         if value.get("run_id") != run_id:
             raise ValueError(f"Checkpoint belongs to another straw run: {value.get('run_id')!r}, not {run_id!r}")
         pool = getattr(args, "rollout_data_dir", None)

@@ -52,11 +52,11 @@ from straw.protocol import Publication, Record, RecordSetRef, decode, encode
 from straw.store import MAX_RECORDS
 from straw.tensor import TensorRef, tensor_record
 
+from slime.data.straw_settings import StrawSettings
 from slime.utils.types import Sample
 
 CODECS = ("bytes.v1", "json.v1", "slime.v1", "tensor.v1")
 TREE_VERSION = 1
-COMPRESSIONS = (None, "none", "zstd")
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 #: Replay fields stored as lazy tensors (kind = field name), loaded back as `TensorRef`s.
@@ -134,10 +134,7 @@ class SampleCodec:
             )
         self.store = store
         self.args = args
-        compression = getattr(args, "rollout_data_compression", None)
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"Unsupported --rollout-data-compression {compression!r}; choose none or zstd")
-        self.compression = "zstd" if compression == "zstd" else None
+        self.compression = StrawSettings.from_args(args).compression
 
     # ----------------------------------------------------------------------------------------- publish
 
@@ -753,7 +750,7 @@ def _validate_score_capture(sample: Sample, fields: tuple[str, ...], top_k: int 
             if tensor.dim() != 2 or tensor.shape[0] != rows or (top_k is not None and tensor.shape[1] != top_k):
                 raise ValueError(
                     f"Sample.{name} has shape {tuple(tensor.shape)}; expected ({rows}, {top_k}) for "
-                    f"response_length={rows} and --score-centering-top-k={top_k}"
+                    f"response_length={rows} and args.score_centering_top_k={top_k}"
                 )
         if ids.shape != log_probs.shape:
             raise ValueError("Sample top-k token ids and log-probs differ in shape")

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from slime.utils.durable import write_atomically
+from slime.utils.atomic_files import write_atomically
 from slime.utils.types import Sample
 
 STATE_VERSION = 1

@@ -25,13 +25,13 @@ from slime.data.checkpoint import RestorePlan
 from slime.data.queue_prompts import PromptTasks
 from slime.data.queue_state import QueueState
 from slime.data.refs import DiskPayloadRef
+from slime.data.straw_settings import StrawSettings
 from slime.data.transport import resolve_rollout_data_dir, rollout_store
 
 logger = logging.getLogger(__name__)
 
 TRAINING_CONSUMER = "training"
 MANAGER_WORKER = "manager"
-GC_INTERVAL_SECONDS = 60.0
 _RELEASE_BATCH = 128
 
 
@@ -88,7 +88,7 @@ class RolloutQueueController(PromptTasks):
                 **options,
                 exclusive_owner=f"slime rollout controller pid={os.getpid()}",
                 recover=recover,
-                lease_seconds=getattr(args, "rollout_queue_lease_seconds", None) or 300,
+                lease_seconds=StrawSettings.from_args(args).lease_seconds,
             )
             cleanup.callback(self._queue.close)
             self.producer = producer
@@ -193,13 +193,13 @@ class RolloutQueueController(PromptTasks):
 
     def _start_gc(self) -> None:
         """Start the online GC thread (only with --rollout-queue-online-gc)."""
-        if not getattr(self.args, "rollout_queue_online_gc", False) or self._gc_thread is not None:
+        if not StrawSettings.from_args(self.args).online_gc or self._gc_thread is not None:
             return
         self._gc_thread = threading.Thread(target=self._gc_loop, name="straw-gc", daemon=True)
         self._gc_thread.start()
 
     def _gc_loop(self) -> None:
-        interval = getattr(self.args, "rollout_queue_gc_interval", None) or GC_INTERVAL_SECONDS
+        interval = StrawSettings.from_args(self.args).gc_interval_s
         while not self._gc_stop.wait(interval):
             try:
                 with self._training_lock:
@@ -393,7 +393,7 @@ class RolloutQueueController(PromptTasks):
             ready = _record_set(batch["ready_ref"])
             state["batches"] = [ref for ref in state["batches"] if ref.manifest != ready]
             state_ref = self._save_training_state(state)
-            if getattr(self.args, "rollout_queue_online_gc", False):
+            if StrawSettings.from_args(self.args).online_gc:
                 self.queue.collect_garbage()
             return state_ref
 

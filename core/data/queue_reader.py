@@ -23,6 +23,7 @@ import ray
 from slime.data import queue_state
 from slime.data.checkpoint import RestorePlan, SourceRestore
 from slime.data.data_source import DataSource
+from slime.data.straw_settings import StrawSettings
 from slime.data.transport import group_lease, pack_rollout_payload, rollout_store
 from slime.rollout.base_types import iter_samples
 from slime.utils.types import Sample
@@ -65,18 +66,17 @@ class QueueReader(DataSource):
     def __init__(
         self, args: Any, controller: Any, reader_id: str, dataset_size: int, *, branch_id: str | None = None
     ) -> None:
-        if getattr(args, "buffer_filter_path", None):
-            raise ValueError("--buffer-filter-path is not supported with the durable queue; the queue orders groups")
+        settings = StrawSettings.from_args(args)
         self.args = args
         self.controller = controller
         self.reader_id = reader_id
         self.dataset_size = dataset_size
         self.branch_id = branch_id
-        self.timeout = float(getattr(args, "rollout_queue_take_timeout", None) or 600)
+        self.timeout = settings.take_timeout_s
         self._held: dict[str, Any] = {}
         self._held_lock = threading.Lock()
         self._stop = threading.Event()
-        interval = (getattr(args, "rollout_queue_lease_seconds", None) or 300) / 3
+        interval = settings.lease_seconds / 3
         self._heartbeat_error: BaseException | None = None
         self._heartbeat = threading.Thread(target=self._renew, args=(interval,), name="queue-heartbeat", daemon=True)
         self._heartbeat.start()

@@ -27,6 +27,7 @@ import ray
 from slime.data import queue_state
 from slime.data.queue_state import QueueState
 from slime.data.refs import DiskPayloadRef, RawRolloutRef, RolloutGroupRef, TrainBatchRef
+from slime.data.straw_settings import StrawSettings
 from slime.rollout.base_types import iter_samples
 
 __all__ = [
@@ -128,8 +129,8 @@ def _pool_root(args: Any) -> str:
     return str(Path(root).expanduser().resolve())
 
 
-def _declaration(args: Any) -> dict:
-    source = getattr(args, "rollout_storage_declaration", None)
+def _declaration(settings: StrawSettings) -> dict:
+    source = settings.storage_declaration
     if not source:
         return {}
     try:
@@ -150,12 +151,15 @@ def rollout_store(args: Any) -> tuple[Any, Any, threading.RLock]:
 
     from slime.data.codec import CODECS, SampleCodec
 
+    settings = StrawSettings.from_args(args)
     root = _pool_root(args)
-    run_id = getattr(args, "rollout_queue_run_id", None) or "rollout"
-    profile = getattr(args, "rollout_storage_profile", None) or "local"
-    segment_mib = getattr(args, "rollout_queue_segment_mib", None)
-    online_gc = bool(getattr(args, "rollout_queue_online_gc", False))
-    declaration = _declaration(args)
+    run_id, profile, segment_mib, online_gc = (
+        settings.run_id,
+        settings.storage_profile,
+        settings.segment_mib,
+        settings.online_gc,
+    )
+    declaration = _declaration(settings)
     key = (os.getpid(), root, run_id, profile, segment_mib, online_gc, json.dumps(declaration, sort_keys=True))
     with _writers_lock:
         cached = _writers.get(key)
@@ -272,7 +276,7 @@ def _io_semaphore(args: Any) -> asyncio.Semaphore:
     loop = asyncio.get_running_loop()
     cached = _io_semaphores.get(loop)
     if cached is None or cached[0] != os.getpid():
-        cached = (os.getpid(), asyncio.Semaphore(getattr(args, "rollout_io_concurrency", None) or 16))
+        cached = (os.getpid(), asyncio.Semaphore(StrawSettings.from_args(args).io_concurrency))
         _io_semaphores[loop] = cached
     return cached[1]
 

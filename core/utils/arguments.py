@@ -14,7 +14,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from slime.plugin_manager import PluginSelection, build_plugin_manager, collect_registry, named_plugin_defaults
+import pluggy
+
+from slime.plugin_manager import (
+    PluginError,
+    PluginSelection,
+    Registry,
+    build_plugin_manager,
+    collect_registry,
+    named_plugin_defaults,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +53,16 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--rollout-data-transport", default="object-store", help="transport plugin name")
     data.add_argument("--rollout-data-dir", default=None, help="straw pool on a filesystem every node mounts")
     data.add_argument("--rollout-queue-run-id", default=None, help="namespace of this run's writers inside the pool")
-    data.add_argument("--rollout-queue-segment-mib", type=int, default=None, help="target pack size in MiB")
+    data.add_argument("--rollout-queue-segment-mib", type=float, default=None, help="target pack size in MiB")
     data.add_argument("--rollout-queue-online-gc", action="store_true", help="reclaim unreferenced packs while running")
+    data.add_argument("--rollout-queue-gc-interval", type=float, default=60.0, help="seconds between online GC passes")
     data.add_argument("--rollout-queue-lease-seconds", type=int, default=300)
+    data.add_argument(
+        "--rollout-queue-take-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a rollout waits for the queue to lease it prompt groups",
+    )
     data.add_argument("--rollout-storage-profile", default="local", help="straw filesystem profile (local, juicefs)")
     data.add_argument("--rollout-storage-declaration", default=None, help="JSON file declaring the storage properties")
     data.add_argument("--rollout-data-compression", choices=["none", "zstd"], default="none")
@@ -127,9 +143,31 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--eps-clip", type=float, default=0.2)
     train.add_argument("--actor-num-nodes", type=int, default=1)
     train.add_argument("--actor-num-gpus-per-node", type=int, default=1, help="ranks per node (CPU processes on CPU)")
+    train.add_argument(
+        "--train-num-cpus-per-rank",
+        type=float,
+        default=1.0,
+        help="Ray CPUs per training rank on a cluster without GPUs",
+    )
+    train.add_argument(
+        "--balance-data",
+        action="store_true",
+        help="split each step's samples across data-parallel ranks by token count (default: contiguous, equal count)",
+    )
+    train.add_argument(
+        "--release-train",
+        action="store_true",
+        help="kill the training ranks after each weight export and re-create them, from the checkpoint saved every "
+        "step, before the next step trains (frees their memory while the engines generate)",
+    )
     train.add_argument("--update-weight-mode", default="full")
     train.add_argument("--update-weight-transport", default="disk", choices=["disk", "nccl", "tensor"])
     train.add_argument("--update-weight-disk-dir", default=None)
+    train.add_argument(
+        "--update-weight-disk-keep-files",
+        action="store_true",
+        help="keep each exported weight directory after the engines loaded it (default: removed)",
+    )
     train.add_argument("--seed", type=int, default=1234)
 
     ckpt = parser.add_argument_group("checkpoints")
@@ -150,6 +188,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--save-debug-rollout-data", default=None, help="path template, e.g. dumps/{rollout_id}.straw.json"
     )
     debug.add_argument("--load-debug-rollout-data", default=None, help="replay archived rollouts into training")
+    debug.add_argument(
+        "--load-debug-rollout-data-subsample",
+        type=float,
+        default=None,
+        help="replay about this fraction, in (0, 1], of each archived rollout: half from its head, half from its tail",
+    )
     debug.add_argument("--debug-train-only", action="store_true")
     debug.add_argument("--debug-rollout-only", action="store_true")
     debug.add_argument("--eval-interval", type=int, default=None)
@@ -169,6 +213,66 @@ def build_parser(pm: Any = None) -> argparse.ArgumentParser:
     if pm is not None:
         pm.hook.slime_addoption.call_historic(kwargs={"parser": parser})
     return parser
+
+
+#: Flags that name a registered thing (or a dotted path), by destination, with the registry kind they name.
+NAMED_OPTIONS = {
+    "rollout_function_path": "rollout_functions",
+    "eval_function_path": "rollout_functions",
+    "data_source_path": "data_sources",
+    "dynamic_sampling_filter_path": "batch_filters",
+    "rollout_sample_filter_path": "batch_filters",
+    "custom_rm_path": "reward_functions",
+    "rm_type": "reward_functions",
+    "checkpoint_policy": "checkpoint_policies",
+    "rollout_engine": "rollout_engines",
+    "train_backend": "train_backends",
+}
+
+
+def _check_named_options(parser: argparse.ArgumentParser, args: argparse.Namespace, registry: Registry) -> None:
+    """Resolve every name-valued flag now (importing dotted paths), so a wrong one fails before Ray starts."""
+    for dest, kind in NAMED_OPTIONS.items():
+        value = getattr(args, dest, None)
+        if not isinstance(value, str):
+            continue
+        try:
+            registry.resolve(kind, value)
+        except (PluginError, ImportError, AttributeError, ValueError) as exc:
+            parser.error(f"--{dest.replace('_', '-')}: {exc}")
+
+
+def _option_owner(option: str, pm: pluggy.PluginManager) -> tuple[str, bool] | None:
+    """The installed plugin, not loaded in `pm`, whose `slime_addoption` defines `option`, and whether it is blocked.
+
+    Builds a manager with every installed entry point of group "slime" and gives each plugin missing from
+    `pm` its own copy of the core parser, so that an option of an unloaded plugin can be named precisely.
+    """
+    try:
+        every = build_plugin_manager(PluginSelection())
+    except PluginError:
+        return None
+    for name, plugin in every.list_name_plugin():
+        if pm.has_plugin(name) or getattr(plugin, "slime_addoption", None) is None:
+            continue
+        parser = build_parser()
+        others = [p for p in every.get_plugins() if p is not plugin]
+        every.subset_hook_caller("slime_addoption", remove_plugins=others).call_historic(kwargs={"parser": parser})
+        if option in parser._option_string_actions:
+            return name, pm.is_blocked(name)
+    return None
+
+
+def _refuse_unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str], pm: pluggy.PluginManager) -> None:
+    """Fail as argparse does on unrecognized arguments, naming the plugin an unknown flag belongs to."""
+    for token in extras:
+        option = token.split("=", 1)[0]
+        if not option.startswith("-") or (owner := _option_owner(option, pm)) is None:
+            continue
+        name, blocked = owner
+        fix = f"remove -p no:{name}" if blocked else f"add --plugin {name}"
+        parser.error(f"{option} belongs to plugin {name!r}, which is not loaded ({fix})")
+    parser.error(f"unrecognized arguments: {' '.join(extras)}")
 
 
 def _explicit_options(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> frozenset[str]:
@@ -191,7 +295,9 @@ def parse_args(argv: Sequence[str] | None = None, *, return_restore_plan: bool =
     for dest, (plugin, value) in defaults.items():
         logger.info("plugin %s sets default --%s=%r", plugin, dest.replace("_", "-"), value)
     parser.set_defaults(**{dest: value for dest, (_, value) in defaults.items()})
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _refuse_unrecognized(parser, extras, pm)
     args.explicit_options = _explicit_options(build_parser(pm), argv)
     args.plugin_selection = selection
     args.plugin_defaults = {dest: plugin for dest, (plugin, _) in defaults.items()}
@@ -205,10 +311,11 @@ def parse_args(argv: Sequence[str] | None = None, *, return_restore_plan: bool =
     if args.rollout_data_compression == "none":
         args.rollout_data_compression = None
     pm.hook.slime_configure(args=args)
+    _check_named_options(parser, args, registry)
     if args.update_weight_transport == "disk" and args.update_weight_disk_dir is None and args.save:
         args.update_weight_disk_dir = str(Path(args.save).expanduser().resolve() / "weights")
     if not return_restore_plan:
         return args
-    from slime.data.checkpoint import resolve_checkpoint
+    from slime.interfaces import run_transport
 
-    return resolve_checkpoint(args)
+    return run_transport(args).resolve_restore()

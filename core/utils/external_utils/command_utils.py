@@ -101,7 +101,7 @@ def execute_train(
         script = Path(config.model_scripts_dir) / f"{megatron_model_type}.sh"
         if not script.is_file():
             raise FileNotFoundError(
-                f"model script {script} not found; pass an existing --megatron-model-type or set "
+                f"model script {script} not found; pass an existing megatron_model_type or set "
                 "LaunchConfig.model_scripts_dir"
             )
         prefix, model_args = f"source {shlex.quote(str(script))} && ", '"${MODEL_ARGS[@]}" '

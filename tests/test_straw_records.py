@@ -1,4 +1,4 @@
-"""The typed record of a Sample's queue bookkeeping (`slime.data.queue_state`)."""
+"""The straw data path's typed records: a Sample's queue bookkeeping and the transport's settings."""
 
 from __future__ import annotations
 
@@ -30,3 +30,26 @@ def test_stamp_read_copy_and_clear_live():
     assert cleared.lease is None and cleared.receipt is None and cleared.source_positions is None
     assert cleared.branch == "b"  # provenance stays
     assert QueueState.of(sample).lease is not None  # the source is untouched
+
+
+def test_straw_settings_defaults_and_bad_values():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from slime.data.straw_settings import StrawSettings
+
+    settings = StrawSettings.from_args(SimpleNamespace())
+    assert (settings.run_id, settings.lease_seconds, settings.io_concurrency, settings.compression) == (
+        "rollout",
+        300,
+        16,
+        None,
+    )
+    assert StrawSettings.from_args(SimpleNamespace(rollout_data_compression="zstd")).compression == "zstd"
+    with pytest.raises(ValueError, match="--rollout-data-compression 'lz4'"):
+        StrawSettings.from_args(SimpleNamespace(rollout_data_compression="lz4"))
+    with pytest.raises(ValueError, match="--rollout-queue-lease-seconds must be at least 3, got 1"):
+        StrawSettings.from_args(SimpleNamespace(rollout_queue_lease_seconds=1))
+    with pytest.raises(ValueError, match="--rollout-io-concurrency must be at least 1, got 0"):
+        StrawSettings.from_args(SimpleNamespace(rollout_io_concurrency=0))
