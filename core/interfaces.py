@@ -38,6 +38,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from slime.plugin_manager import PluginError
+
 __all__ = [
     "OpenedSource",
     "RolloutSession",
@@ -50,8 +52,8 @@ __all__ = [
 ]
 
 
-class TransportInterfaceError(TypeError):
-    """A transport plugin's factory built an object that does not implement `Transport`."""
+class TransportInterfaceError(PluginError):
+    """A transport plugin's factory built an object that does not implement `Transport` (`slime-run` prints it)."""
 
 
 @dataclass(frozen=True)
