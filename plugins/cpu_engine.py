@@ -5,22 +5,18 @@ model over HTTP on 127.0.0.1 (see `slime.plugins.cpu_engine_server`), and return
 writes its stdout/stderr to its own log (`--cpu-engine-log-dir`, default `<save>/logs/cpu-engines`); an engine
 that cannot load its model, dies or misses `--cpu-engine-startup-timeout` raises `EngineStartError` naming
 its address and quoting the tail of that log.
-`start_router(worker_urls, args)` puts them behind one address: `sglang-router` (round robin) when it is
-installed, the built-in round-robin proxy otherwise (`--rollout-router auto|sglang|builtin`).
+`launch_cpu_engines` is the plugin's `slime.backend_interfaces.EngineLauncher`; a run puts the engines behind
+one sglang-router with `--rollout-router sglang-router` (see `slime.ray.router`).
 
 This module is imported whenever the plugin registry is built, so it imports nothing heavy (no torch,
-no transformers, no sglang_router) at module level.
+no transformers) at module level.
 """
 
 from __future__ import annotations
 
-import errno
-import importlib.util
 import os
 import re
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,8 +29,6 @@ from typing import Any
 from slime import hookimpl
 from slime.specs import RolloutEngineSpec
 
-ROUTER_STARTUP_TIMEOUT_S = 60.0
-ROUTER_PORT_ATTEMPTS = 3
 ENGINE_STARTUP_TIMEOUT_S = 600.0
 ENGINE_HOST = "127.0.0.1"
 LOG_TAIL_LINES = 40
@@ -328,135 +322,6 @@ def launch_cpu_engines(args: Any, num_engines: int) -> LaunchedEngines:
     return LaunchedEngines([urls[index] for index in range(num_engines)], actors, str(log_dir) if temporary else None)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def sglang_router_available() -> bool:
-    """Whether the `sglang-router` package is installed (checked without importing it)."""
-    try:
-        return importlib.util.find_spec("sglang_router") is not None
-    except ImportError:  # an import hook that forbids sglang counts as "not installed"
-        return False
-
-
-class SGLangRouter:
-    """`sglang-router launch ... --policy round_robin` as a subprocess of this process.
-
-    Without `port`, a free port is chosen and handed to the subprocess; another process may take it in
-    between, so a router that exits with "Address already in use" is started again on a new free port
-    (`ROUTER_PORT_ATTEMPTS` tries). A given `port` that is in use is an error naming it.
-    """
-
-    kind = "sglang-router"
-
-    def __init__(self, worker_urls: Sequence[str], host: str = "127.0.0.1", port: int | None = None) -> None:
-        from slime.plugins.cpu_engine_server import PortInUseError
-
-        self.worker_urls = list(worker_urls)
-        attempts = 1 if port else ROUTER_PORT_ATTEMPTS
-        for _ in range(attempts):
-            self.port = port or _free_port(host)
-            self.url = f"http://{host}:{self.port}"
-            self._log = tempfile.NamedTemporaryFile(prefix="slime-sglang-router-", suffix=".log", delete=False)
-            command = [
-                sys.executable,
-                "-m",
-                "sglang_router.launch_router",
-                "--host",
-                host,
-                "--port",
-                str(self.port),
-                "--worker-urls",
-                *self.worker_urls,
-                "--policy",
-                "round_robin",
-                "--log-level",
-                "warn",
-            ]
-            self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
-            if self._wait_until_ready():
-                return
-            tail = self._log_tail()
-            self.close()
-        if port:
-            raise PortInUseError(
-                errno.EADDRINUSE,
-                f"sglang-router cannot listen on {host}:{port}: the port is already in use by another process; "
-                f"stop that process or choose another port. Its output: {tail}",
-            )
-        raise PortInUseError(
-            errno.EADDRINUSE,
-            f"sglang-router could not listen on {host}: each of {attempts} free ports chosen for it was taken by "
-            f"another process before it started (last {self.port}). Its output: {tail}",
-        )
-
-    def _wait_until_ready(self) -> bool:
-        """True once every worker is healthy behind the router; False when it exited because its port was taken."""
-        import httpx
-
-        deadline = time.monotonic() + ROUTER_STARTUP_TIMEOUT_S
-        while True:
-            if self._process.poll() is not None:
-                tail = self._log_tail()
-                if "Address already in use" in tail:
-                    return False
-                self.close()
-                raise RuntimeError(f"sglang-router on {self.url} exited with code {self._process.returncode}: {tail}")
-            try:
-                workers = httpx.get(f"{self.url}/workers", timeout=2).json().get("workers", [])
-                healthy = {w.get("url") for w in workers if w.get("is_healthy")}
-                if healthy >= set(self.worker_urls):
-                    return True
-            except (httpx.HTTPError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                tail = self._log_tail()
-                self.close()
-                raise RuntimeError(
-                    f"sglang-router on {self.url} did not report all workers {self.worker_urls} healthy within "
-                    f"{ROUTER_STARTUP_TIMEOUT_S:.0f} s: {tail}"
-                )
-            time.sleep(0.05)
-
-    def _log_tail(self) -> str:
-        try:
-            return Path(self._log.name).read_text(errors="replace")[-2000:] or "(no output)"
-        except OSError:
-            return "(log unreadable)"
-
-    def close(self) -> None:
-        if self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-        self._log.close()
-        os.unlink(self._log.name)
-
-
-def start_router(worker_urls: Sequence[str], args: Any = None):
-    """Put `worker_urls` behind one URL; returns an object with `url`, `kind` and `close()`.
-
-    `args.rollout_router`: "auto" (default: sglang-router when installed, else built-in), "sglang"
-    (required; fails when not installed) or "builtin".
-    """
-    choice = getattr(args, "rollout_router", "auto") or "auto"
-    if choice not in ("auto", "sglang", "builtin"):
-        raise ValueError(f"--rollout-router must be auto, sglang or builtin, got {choice!r}")
-    if choice == "sglang" or (choice == "auto" and sglang_router_available()):
-        if not sglang_router_available():
-            raise RuntimeError("--rollout-router sglang needs the sglang-router package: pip install sglang-router")
-        return SGLangRouter(worker_urls)
-    from slime.plugins.cpu_engine_server import RoundRobinProxy
-
-    return RoundRobinProxy(worker_urls)
-
-
 @hookimpl
 def slime_rollout_engines() -> Iterable[RolloutEngineSpec]:
     return [
@@ -464,7 +329,6 @@ def slime_rollout_engines() -> Iterable[RolloutEngineSpec]:
             "cpu",
             launch_cpu_engines,
             "Hugging Face causal LM on CPU behind the SGLang HTTP protocol (default: the built-in tiny model)",
-            requires_gpu=False,
         )
     ]
 
@@ -472,12 +336,6 @@ def slime_rollout_engines() -> Iterable[RolloutEngineSpec]:
 @hookimpl
 def slime_addoption(parser) -> None:
     group = parser.add_argument_group("cpu engine")
-    group.add_argument(
-        "--rollout-router",
-        choices=["auto", "sglang", "builtin"],
-        default="auto",
-        help="router in front of the engines: sglang-router when installed (auto), or the built-in round robin",
-    )
     group.add_argument("--cpu-engine-max-batch-size", type=int, default=32, help="requests generated together")
     group.add_argument("--cpu-engine-batch-wait-ms", type=float, default=5.0, help="time to collect a batch")
     group.add_argument("--cpu-engine-num-cpus", type=float, default=0, help="Ray CPUs reserved per engine actor")

@@ -3,8 +3,9 @@
 `create_app(engine, scheduler)` builds the FastAPI app; `EngineServer` runs one engine behind uvicorn on
 127.0.0.1 and a free (or given) port, in a background thread of the current process (a test, or a Ray actor).
 `listen_socket` takes the port first, so a port in use is an error naming the port and the server.
-`RoundRobinProxy` is the built-in router used when `sglang-router` is not installed. Route handlers take
-`fastapi.Request`, imported at module level so FastAPI can resolve the annotations.
+Route handlers take `fastapi.Request`, imported at module level so FastAPI can resolve the annotations.
+The routes are the engine contract of `slime.backend_interfaces.ENGINE_ENDPOINTS`, plus `/health_generate`,
+`/update_weight_version` and `/flush_cache`, which SGLang servers also have.
 Errors answer `{"error": {"message": ..., "code": ...}}` with status 400, as SGLang does.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import itertools
 import json
 import socket
 import threading
@@ -242,48 +242,3 @@ class EngineServer:
     def stop(self) -> None:
         self._http.stop()
         self.scheduler.close()
-
-
-def create_proxy_app(worker_urls: list[str]):
-    """A round-robin reverse proxy over `worker_urls`: `/generate` goes to the next worker in turn."""
-    import httpx
-
-    app = FastAPI(title="slime round-robin router")
-    turn = itertools.cycle(range(len(worker_urls)))
-    client = httpx.AsyncClient(timeout=None)
-
-    @app.post("/generate")
-    async def generate(request: Request):
-        url = worker_urls[next(turn)]
-        try:
-            answer = await client.post(f"{url}/generate", content=await request.body())
-        except httpx.HTTPError as exc:
-            return _error(f"worker {url} failed: {exc!r}", 502)
-        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
-
-    @app.get("/health")
-    async def health():
-        return Response(status_code=200)
-
-    @app.get("/workers")
-    async def workers():
-        return JSONResponse({"workers": [{"url": url} for url in worker_urls]})
-
-    return app
-
-
-class RoundRobinProxy:
-    """The built-in router, served from this process."""
-
-    kind = "builtin"
-
-    def __init__(self, worker_urls: list[str], host: str = "127.0.0.1", port: int = 0) -> None:
-        if not worker_urls:
-            raise ValueError("RoundRobinProxy needs at least one worker URL")
-        self.worker_urls = list(worker_urls)
-        sock = listen_socket(host, port, "built-in router (RoundRobinProxy)")
-        self._http = _ThreadedUvicorn(create_proxy_app(self.worker_urls), sock, name="slime-router-http")
-        self.url = self._http.url
-
-    def close(self) -> None:
-        self._http.stop()

@@ -260,24 +260,17 @@ def test_engine_port_in_use_names_port_and_component_before_loading(tmp_path, bu
         EngineServer(str(tmp_path), port=busy_port)
 
 
-def test_router_port_in_use_names_port_and_component(busy_port):
-    from slime.plugins.cpu_engine_server import PortInUseError, RoundRobinProxy
-
-    with pytest.raises(
-        PortInUseError, match=rf"built-in router \(RoundRobinProxy\) cannot listen on 127.0.0.1:{busy_port}"
-    ):
-        RoundRobinProxy(["http://127.0.0.1:1"], port=busy_port)
-
-
 @pytest.mark.slow
 def test_sglang_router_port_in_use_names_port(busy_port):
-    from slime.plugins.cpu_engine import SGLangRouter, sglang_router_available
-    from slime.plugins.cpu_engine_server import PortInUseError
+    import errno
+
+    from slime.ray.router import SGLangRouter, sglang_router_available
 
     if not sglang_router_available():
-        pytest.skip("sglang-router is not installed")
-    with pytest.raises(PortInUseError, match=rf"sglang-router cannot listen on 127.0.0.1:{busy_port}: the port is"):
+        pytest.skip("sglang-router is not installed (pip install 'slime-rl[router]')")
+    with pytest.raises(OSError, match=rf"sglang-router cannot listen on 127.0.0.1:{busy_port}: the port is") as error:
         SGLangRouter(["http://127.0.0.1:1"], port=busy_port)
+    assert error.value.errno == errno.EADDRINUSE
 
 
 # ------------------------------------------------------------------------------ (d) engine start failures

@@ -1,9 +1,8 @@
-"""The built-in CPU engine: tiny model checkpoint, SGLang HTTP protocol, batching, weight reloads, routers."""
+"""The built-in CPU engine: tiny model checkpoint, SGLang HTTP protocol, batching, weight reloads, sglang-router."""
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import threading
 import time
 from types import SimpleNamespace
@@ -290,49 +289,23 @@ def test_weight_update_from_disk_changes_outputs_and_version(model_dir, tmp_path
         engine.stop()
 
 
-def test_builtin_router_round_robins(model_dir, server):
-    from slime.plugins.cpu_engine import start_router
-    from slime.plugins.cpu_engine_server import EngineServer
-
-    second = EngineServer(str(model_dir), num_threads=1)
-    router = start_router([server.url, second.url], SimpleNamespace(rollout_router="builtin"))
-    try:
-        assert router.kind == "builtin"
-        before = server.engine.num_requests
-        with httpx.Client(base_url=router.url, timeout=60) as http:
-            outs = [greedy(http, [5, 6], 2) for _ in range(4)]
-            assert http.post("/generate", json={"input_ids": []}).status_code == 400
-        assert len({json.dumps(o["output_ids"]) for o in outs}) == 1
-        assert server.engine.num_requests - before == 2
-        assert second.engine.num_requests == 2
-    finally:
-        router.close()
-        second.stop()
-
-
 def test_plugin_registers_the_cpu_engine():
     from slime.plugin_manager import registry_for
     from slime.plugins.cpu_engine import launch_cpu_engines
 
-    spec = registry_for(SimpleNamespace()).get("rollout_engines", "cpu")
-    assert spec.target is launch_cpu_engines and spec.requires_gpu is False
-    with pytest.raises(ValueError, match="--rollout-router must be"):
-        from slime.plugins.cpu_engine import start_router
-
-        start_router(["http://127.0.0.1:1"], SimpleNamespace(rollout_router="nginx"))
+    assert registry_for(SimpleNamespace()).get("rollout_engines", "cpu").target is launch_cpu_engines
 
 
 @pytest.mark.slow
 def test_sglang_router_in_front_of_two_engines(model_dir, server):
-    from slime.plugins.cpu_engine import sglang_router_available, start_router
     from slime.plugins.cpu_engine_server import EngineServer
+    from slime.ray.router import SGLangRouter, sglang_router_available
 
     if not sglang_router_available():
-        pytest.skip("sglang-router is not installed (pip install sglang-router)")
+        pytest.skip("sglang-router is not installed (pip install 'slime-rl[router]')")
     second = EngineServer(str(model_dir), num_threads=1)
-    router = start_router([server.url, second.url], SimpleNamespace(rollout_router="sglang"))
+    router = SGLangRouter([server.url, second.url])
     try:
-        assert router.kind == "sglang-router"
         with httpx.Client(base_url=router.url, timeout=60) as http:
             outs = [
                 generate(http, input_ids=[5, 6], sampling_params={"max_new_tokens": 3}, return_logprob=True)
@@ -342,6 +315,7 @@ def test_sglang_router_in_front_of_two_engines(model_dir, server):
         assert all(len(o["meta_info"]["output_token_logprobs"]) == len(o["output_ids"]) for o in outs)
         assert text["meta_info"]["prompt_tokens"] == 4
         assert second.engine.num_requests >= 2
+        assert router.routed_requests() == 5
     finally:
         router.close()
         second.stop()

@@ -230,7 +230,7 @@ def test_monitor_marks_an_engine_dead_after_consecutive_failures_only(fake_engin
         assert server.all_engines[1] == "engine-1" and steady.health_hits >= 6
         assert f"Rollout engine {flapping.url} (model slot 0) is dead after 3 consecutive" in caplog.text
         assert "/health answered 503" in caplog.text
-        assert live_urls(server) == [steady.url] and server.url == steady.url
+        assert live_urls(server) == [steady.url]
 
         monitor.pause()
         hits = steady.health_hits
@@ -240,8 +240,7 @@ def test_monitor_marks_an_engine_dead_after_consecutive_failures_only(fake_engin
         steady.health = 500
         assert monitor.check_once() == [steady.url]  # decisive at the boundary: three probes in a row
         assert steady.health_hits == hits + 3 and server.all_engines == [None, None]
-        with pytest.raises(RuntimeError, match="no live engines"):
-            _ = server.url
+        assert live_urls(server) == []
     finally:
         monitor.stop()
 
@@ -250,7 +249,7 @@ def test_health_settings_reject_nonpositive_values():
     assert HealthSettings.from_args(SimpleNamespace()) == HealthSettings(5.0, 5.0, 3)
     with pytest.raises(ValueError, match="--rollout-health-check-failures must be positive"):
         HealthSettings.from_args(SimpleNamespace(rollout_health_check_failures=0))
-    with pytest.raises(ValueError, match="--rollout-request-retries must be 0 or more"):
+    with pytest.raises(ValueError, match="--rollout-request-retries must be >= 0, got -1"):
         sglang_rollout.GenerateState(SimpleNamespace(rollout_engine_urls=["http://x"], rollout_request_retries=-1))
 
 
@@ -266,11 +265,11 @@ def model_dir(tmp_path_factory):
 
 @pytest.mark.slow
 def test_router_drops_a_dead_worker_and_takes_its_replacement(model_dir):
-    from slime.plugins.cpu_engine import SGLangRouter, sglang_router_available
     from slime.plugins.cpu_engine_server import EngineServer
+    from slime.ray.router import SGLangRouter, sglang_router_available
 
     if not sglang_router_available():
-        pytest.skip("sglang-router is not installed (pip install sglang-router)")
+        pytest.skip("sglang-router is not installed (pip install 'slime-rl[router]')")
     engines = [EngineServer(str(model_dir), num_threads=1) for _ in range(3)]
     first, second, replacement = engines
     router = SGLangRouter([first.url, second.url])

@@ -2,8 +2,8 @@
 
 The group is the driver's handle on a role: it creates the ranks (`create`), fans calls out to all of them
 (`async_train`, `save_model`, `update_weights`) and waits for them. Ranks are instances of the training
-backend's actor class (registry kind "train_backends", `--train-backend`, default "torch"), wrapped with
-`ray.remote` here, one per placement-group bundle.
+backend's actor class (registry kind "train_backends", `--train-backend`, default "torch"; its contract is
+`slime.backend_interfaces.TrainBackend`), wrapped with `ray.remote` here, one per placement-group bundle.
 
 Disk weight updates (`--update-weight-mode full --update-weight-transport disk`) are counted by the group,
 not by the ranks: version `v` is exported by the ranks to `<update_weight_disk_dir>/weight_v{v:06d}` and then
@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import ray
+
+from slime.backend_interfaces import weight_dir
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +85,6 @@ class RayTrainGroup:
             self._rollout_manager = rollout_manager
         if self._actor_handlers:
             return None
-        from slime.ray.training_recovery import configure_recovery_checkpoint, training_recovery_enabled
-
-        if training_recovery_enabled(self.args):
-            configure_recovery_checkpoint(self.args)
         self.args.update_weight_start_version = self._disk_weight_version
         self._allocate_gpus_for_actor(self._pg, self._num_gpus_per_actor)
         return ray.get(
@@ -105,12 +103,12 @@ class RayTrainGroup:
             time.sleep(RELEASE_GRACE_S)
 
     def _backend_class(self) -> Any:
+        """The rank class: `actor_cls` when given, else `--train-backend`'s, checked against `TrainBackend`."""
         if self._actor_cls is not None:
             return self._actor_cls
-        from slime.plugin_manager import registry_for
+        from slime.backend_interfaces import resolve_train_backend
 
-        name = getattr(self.args, "train_backend", "torch") or "torch"
-        return registry_for(self.args).get("train_backends", name).target
+        return resolve_train_backend(self.args)
 
     def _allocate_gpus_for_actor(self, pg: Placement | None, num_gpus_per_actor: float) -> None:
         """Create one rank per bundle of `pg`, with the distributed environment each rank needs."""
@@ -180,14 +178,8 @@ class RayTrainGroup:
             # The next `create` must resume from exactly what was just saved.
             self.args.load = self.args.save
             self.args.ckpt_step = None
-            self.args.finetune = False
             self.args.no_load_optim = getattr(self.args, "no_save_optim", False)
             self.args.no_load_rng = False
-
-    def offload(self) -> None:
-        """Free the ranks' device memory between steps (`--offload-train`; the backend's `offload`, which must
-        bring the state back by itself on the next `update_weights` or `train`)."""
-        ray.get([actor.offload.remote() for actor in self._actor_handlers])
 
     # ------------------------------------------------------------ weight update
 
@@ -209,7 +201,7 @@ class RayTrainGroup:
                 "--update-weight-transport disk needs --update-weight-disk-dir (a directory trainers and engines share)"
             )
         version = self._disk_weight_version + 1
-        directory = Path(disk_dir) / f"weight_v{version:06d}"
+        directory = weight_dir(disk_dir, version)
         ray.get([actor.update_weights.remote() for actor in self._actor_handlers])
         self._disk_weight_version = version
         if getattr(self.args, "release_train", False):

@@ -1,9 +1,9 @@
 """Placing a run on the Ray cluster: placement groups, the rollout manager and the training groups.
 
-`create_placement_groups(args)` reserves one bundle per training rank (actor, then critic) and, on GPU
-clusters where rollout is not colocated, one per rollout GPU. A bundle is one GPU plus one CPU when the
-cluster has GPUs, and `--train-num-cpus-per-rank` CPUs (default 1) when it has none, so the same command
-runs on a laptop. The result maps role -> `Placement`.
+`create_placement_groups(args)` reserves one bundle per training rank (actor, then critic); the rollout
+placement is the actor's (engines are placed by their plugin's launcher). A bundle is one GPU plus one CPU
+when the cluster has GPUs, and `--train-num-cpus-per-rank` CPUs (default 1) when it has none, so the same
+command runs on a laptop. The result maps role -> `Placement`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import ray
 
+from slime.backend_interfaces import check_run_backends
 from slime.ray.actor_group import Placement, RayTrainGroup
 
 logger = logging.getLogger(__name__)
@@ -26,23 +27,22 @@ def _num_ranks(args: Any, role: str) -> int:
 
 
 def create_placement_groups(args: Any) -> dict[str, Placement]:
-    """Reserve the bundles of a run; returns `{"actor": ..., "critic": ..., "rollout": ...}` placements."""
+    """Reserve the bundles of a run; returns `{"actor": ..., "critic": ..., "rollout": ...}` placements.
+
+    The run's first step on the cluster: it first checks that `--train-backend`'s rank class and
+    `--rollout-engine`'s launcher keep their contracts (`slime.backend_interfaces`), so a broken plugin is
+    refused, naming itself and what it lacks, before any actor starts.
+    """
     from ray.util.placement_group import placement_group
 
+    check_run_backends(args)
     resources = ray.cluster_resources()
     use_gpu = resources.get("GPU", 0) > 0
     actor_ranks = _num_ranks(args, "actor")
     critic_ranks = _num_ranks(args, "critic") if getattr(args, "use_critic", False) else 0
     train_ranks = actor_ranks + critic_ranks
     if use_gpu:
-        colocate = bool(getattr(args, "colocate", False))
-        rollout_gpus = (
-            0
-            if colocate or getattr(args, "debug_train_only", False)
-            else int(getattr(args, "rollout_num_gpus", 0) or 0)
-        )
-        bundle = {"GPU": 1, "CPU": 1}
-        bundles = [dict(bundle) for _ in range(train_ranks + rollout_gpus)]
+        bundles = [{"GPU": 1, "CPU": 1} for _ in range(train_ranks)]
         gpus, cpus = 1.0, 1.0
     else:
         cpus = float(getattr(args, "train_num_cpus_per_rank", 1) or 1)
@@ -53,7 +53,7 @@ def create_placement_groups(args: Any) -> dict[str, Placement]:
                 "--actor-num-gpus-per-node (ranks per node on CPU) or --train-num-cpus-per-rank"
             )
         bundles = [{"CPU": cpus} for _ in range(train_ranks)]
-        rollout_gpus, gpus = 0, 0.0
+        gpus = 0.0
     pg = placement_group(bundles, strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
@@ -64,14 +64,11 @@ def create_placement_groups(args: Any) -> dict[str, Placement]:
         )
     actor = list(range(actor_ranks))
     critic = list(range(actor_ranks, train_ranks))
-    rollout = list(range(train_ranks, train_ranks + rollout_gpus)) if rollout_gpus else actor
-    logger.info(
-        "placement: %d actor, %d critic, %d rollout bundles (GPU: %s)", len(actor), len(critic), rollout_gpus, use_gpu
-    )
+    logger.info("placement: %d actor, %d critic bundles (GPU: %s)", len(actor), len(critic), use_gpu)
     return {
         "actor": Placement(pg, actor, gpus, cpus),
         "critic": Placement(pg, critic, gpus, cpus),
-        "rollout": Placement(pg, rollout, gpus, cpus),
+        "rollout": Placement(pg, actor, gpus, cpus),
     }
 
 
@@ -106,7 +103,7 @@ def create_training_models(
     must agree. When resuming (start > 0) the rollout manager restores its data source and batch builder
     to the state saved with step `start - 1`.
     """
-    with_ref = bool(getattr(args, "kl_coef", 0.0) or getattr(args, "use_kl_loss", False))
+    with_ref = bool(getattr(args, "kl_coef", 0.0))
     actor = RayTrainGroup(
         args,
         int(getattr(args, "actor_num_nodes", 1) or 1),
@@ -136,8 +133,8 @@ def create_training_models(
         args.start_rollout_id = start_ids[0]
     elif args.start_rollout_id != start_ids[0]:
         raise ValueError(
-            f"--start-rollout-id {args.start_rollout_id} differs from the checkpoint the trainers loaded "
-            f"(next step {start_ids[0]}); drop --start-rollout-id or pick a matching --ckpt-step"
+            f"The run starts at step {args.start_rollout_id} but the trainers loaded a checkpoint whose next step "
+            f"is {start_ids[0]}; check --load and --ckpt-step"
         )
     if args.start_rollout_id > 0:
         ray.get(rollout_manager.load.remote(args.start_rollout_id - 1))

@@ -131,12 +131,11 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def dispose(self, timeout: float | None = None) -> None:
+    def dispose(self) -> None:
         """Close the source and the owned service, seal the transport, finish tracking; never the serving cluster.
 
         Every step runs even when an earlier one failed; the first failure is re-raised at the end.
         """
-        timeout = timeout if timeout is not None else getattr(self.args, "rollout_cleanup_timeout", None)
         errors: list[BaseException] = []
 
         def step(fn: Any) -> None:
@@ -154,10 +153,7 @@ class RolloutManager:
 
             def close_controller() -> None:
                 try:
-                    if timeout is None:
-                        ray.get(controller.close.remote())
-                    else:
-                        ray.get(controller.close.remote(), timeout=timeout)
+                    ray.get(controller.close.remote())
                 finally:
                     ray.kill(controller, no_restart=True)
 
@@ -299,11 +295,18 @@ class RolloutManager:
             monitor.check_once()
 
     def _publish_engine_urls(self) -> None:
-        """Rollout functions find the engines in `args.rollout_engine_urls` (a copy: the caller's args stay as-is)."""
+        """Rollout functions find the engines in `args.rollout_engine_urls` and the router, when the engines have
+        one, in `args.rollout_router_url` (on a copy: the caller's args stay as they are)."""
         urls = self.engine_urls()
-        if urls and list(getattr(self.args, "rollout_engine_urls", None) or []) != urls:
+        router = next((server.router.url for server in self.servers.values() if server.router is not None), None)
+        current = (
+            list(getattr(self.args, "rollout_engine_urls", None) or []),
+            getattr(self.args, "rollout_router_url", None),
+        )
+        if (urls or router) and current != (urls, router):
             self.args = copy.copy(self.args)
             self.args.rollout_engine_urls = urls
+            self.args.rollout_router_url = router
 
     def engine_urls(self) -> list[str]:
         """The live engines' URLs (engines marked dead are left out until they are relaunched)."""

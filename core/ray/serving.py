@@ -1,9 +1,11 @@
-"""The serving cluster: a detached owner of the rollout engines, their router, the queue controller and
-the engine lock, so that a trainer crash (and a new driver) can reattach to running engines.
+"""The serving side of a run: the rollout engines, the router in front of them, and a detachable owner.
 
-Engines come from the rollout-engine plugin selected by `--rollout-engine` (registry kind
-"rollout_engines"); its launcher is `target(args, num_engines) -> list[str]` of engine URLs (the list may
-carry the engines' Ray actors in `.actors` and a `shutdown()`). Importing this module imports no SGLang.
+Engines come from the rollout-engine plugin selected by `--rollout-engine` (registry kind "rollout_engines");
+its launcher follows `slime.backend_interfaces.EngineLauncher`: `target(args, num_engines)` returns the
+engines' URLs (the result may carry the engines' Ray actors in `.actors` and a `shutdown()`). With
+`--rollout-router sglang-router` one sglang-router (`slime.ray.router`) is started in front of them.
+`ServingCluster` is a detached owner of engines, router, queue controller and engine lock, so that a new
+driver can reattach to running engines. Importing this module imports no SGLang.
 """
 
 from __future__ import annotations
@@ -11,9 +13,13 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
+
+from slime.backend_interfaces import check_launched_engines
+from slime.ray.router import ROUTER_CHOICES, SGLangRouter
 
 logger = logging.getLogger(__name__)
 
@@ -48,24 +54,17 @@ class RolloutServer:
     update_weights: bool = True
     num_new_engines: int = 0
     launched: list = field(default_factory=list, repr=False)
+    name: str = "rollout"
 
     @classmethod
-    def launch(cls, args: Any, launcher: Any, num_engines: int) -> RolloutServer:
+    def launch(cls, args: Any, launcher: Any, num_engines: int, name: str) -> RolloutServer:
+        """Start `num_engines` engines with `launcher`, the launcher of rollout engine `name`."""
         engines = launcher(args, num_engines)
-        server = cls(args, launcher, list(engines), list(getattr(engines, "actors", None) or engines))
+        urls = check_launched_engines(engines, num_engines, name)
+        server = cls(args, launcher, urls, list(getattr(engines, "actors", None) or urls), name=name)
         server.launched.append(engines)
         server.num_new_engines = len(server.urls)
         return server
-
-    @property
-    def url(self) -> str:
-        """The address rollout functions send requests to: the router's, else the first live engine's."""
-        if self.router is not None:
-            return self.router.url
-        urls = live_urls(self)
-        if not urls:
-            raise RuntimeError("The rollout server has no live engines; recover_updatable_engines relaunches them")
-        return urls[0]
 
     def mark_engine_dead(self, slot: int) -> None:
         """Take engine `slot` out of service: slot None, out of the router, its Ray actor killed (a hung
@@ -87,8 +86,9 @@ class RolloutServer:
             return
         engines = self.launcher(self.args, len(missing))
         self.launched.append(engines)
-        actors = list(getattr(engines, "actors", None) or engines)
-        for slot, url, actor in zip(missing, engines, actors, strict=True):
+        urls = check_launched_engines(engines, len(missing), self.name)
+        actors = list(getattr(engines, "actors", None) or urls)
+        for slot, url, actor in zip(missing, urls, actors, strict=True):
             logger.info("Rollout engine slot %d relaunched at %s (was %s)", slot, url, self.urls[slot])
             self.urls[slot] = url
             self.all_engines[slot] = actor
@@ -124,28 +124,13 @@ def _sglang_router_call(router: Any, method: str, path: str, **kwargs: Any) -> A
 
 
 def router_remove_worker(router: Any, url: str) -> None:
-    """Stop `router` sending requests to `url`: its own `remove_worker(url)`, sglang-router's worker API
-    (`DELETE /workers/{id}`, or `POST /remove_worker?url=` before 0.3), else it relies on its own health checks."""
-    if hasattr(router, "remove_worker"):
-        router.remove_worker(url)
-        return
-    if getattr(router, "kind", None) != "sglang-router":
-        logger.warning(
-            "Router %s (%s) cannot drop workers; requests it sends to %s fail and are retried on other engines",
-            router.url,
-            getattr(router, "kind", type(router).__name__),
-            url,
-        )
-        return
+    """Stop `router` (an sglang-router) sending requests to `url`: `DELETE /workers/{id}` of its worker API."""
     listing = _sglang_router_call(router, "GET", "/workers")
-    if listing.status_code == 404:
-        response = _sglang_router_call(router, "POST", "/remove_worker", params={"url": url})
-    else:
-        workers = listing.json().get("workers", []) if listing.status_code == 200 else []
-        ids = [worker.get("id") for worker in workers if worker.get("url") == url]
-        if not ids:
-            return  # the router dropped it already
-        response = _sglang_router_call(router, "DELETE", f"/workers/{ids[0]}")
+    workers = listing.json().get("workers", []) if listing.status_code == 200 else []
+    ids = [worker.get("id") for worker in workers if worker.get("url") == url]
+    if not ids:
+        return  # the router dropped it already
+    response = _sglang_router_call(router, "DELETE", f"/workers/{ids[0]}")
     if response.status_code >= 400:
         raise RuntimeError(
             f"sglang-router at {router.url} refused to remove worker {url} ({response.status_code}): {response.text}"
@@ -153,18 +138,8 @@ def router_remove_worker(router: Any, url: str) -> None:
 
 
 def router_add_worker(router: Any, url: str) -> None:
-    """Put a (relaunched) engine at `url` behind `router`; a router that cannot add workers is an error."""
-    if hasattr(router, "add_worker"):
-        router.add_worker(url)
-        return
-    if getattr(router, "kind", None) != "sglang-router":
-        raise RuntimeError(
-            f"Router {router.url} ({getattr(router, 'kind', type(router).__name__)}) cannot add the relaunched "
-            f"engine {url}; use sglang-router (--rollout-router sglang) for engine recovery behind a router"
-        )
+    """Put a (relaunched) engine at `url` behind `router` (an sglang-router): `POST /workers {"url": url}`."""
     response = _sglang_router_call(router, "POST", "/workers", json={"url": url})
-    if response.status_code == 404:
-        response = _sglang_router_call(router, "POST", "/add_worker", params={"url": url})
     if response.status_code >= 400:
         raise RuntimeError(
             f"sglang-router at {router.url} refused to add worker {url} ({response.status_code}): {response.text}"
@@ -199,15 +174,30 @@ def engine_weight_version(urls: list[str], *, allow_inconsistent: bool = False) 
 
 
 def launch_rollout_servers(args: Any) -> dict[str, RolloutServer]:
-    """Start the engines of `--rollout-engine` (default "cpu"); returns `{"model": RolloutServer}`."""
-    from slime.plugin_manager import registry_for
+    """Start the engines of `--rollout-engine` (default "cpu"); returns `{"model": RolloutServer}`.
 
-    name = getattr(args, "rollout_engine", "cpu") or "cpu"
-    spec = registry_for(args).get("rollout_engines", name)
-    if spec.target is None:
-        raise RuntimeError(f"Rollout engine plugin {name!r} registers no launcher; install the plugin that serves it")
+    With `--rollout-router sglang-router` an sglang-router is started in front of them and its address is
+    set as `args.rollout_router_url`, where the rollout functions send their requests; its output, and at the
+    end how many requests it routed, go to `<save>/logs/sglang-router.log` (a temporary file without `--save`).
+    """
+    from slime.backend_interfaces import resolve_engine_launcher
+
+    name = getattr(args, "rollout_engine", None) or "cpu"
+    router = getattr(args, "rollout_router", None) or "none"
+    if router not in ROUTER_CHOICES:
+        raise ValueError(f"--rollout-router must be one of {', '.join(ROUTER_CHOICES)}, got {router!r}")
     num_engines = int(getattr(args, "rollout_num_engines", 1) or 1)
-    return {"model": RolloutServer.launch(args, spec.target, num_engines)}
+    server = RolloutServer.launch(args, resolve_engine_launcher(args), num_engines, name)
+    if router == "sglang-router":
+        save = getattr(args, "save", None)
+        log_path = Path(save).expanduser() / "logs" / "sglang-router.log" if save else None
+        try:
+            server.router = SGLangRouter(server.urls, log_path=log_path)
+        except BaseException:
+            server.shutdown()
+            raise
+        args.rollout_router_url = server.router.url
+    return {"model": server}
 
 
 @ray.remote

@@ -24,6 +24,7 @@ from slime.plugin_manager import (
     collect_registry,
     named_plugin_defaults,
 )
+from slime.ray.router import ROUTER_CHOICES, sglang_router_available
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +93,26 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--rollout-temperature", type=float, default=1.0)
     rollout.add_argument("--rollout-top-p", type=float, default=1.0)
     rollout.add_argument("--rollout-top-k", type=int, default=-1)
+    rollout.add_argument("--eval-max-response-len", type=int, default=None, help="default: --rollout-max-response-len")
+    rollout.add_argument("--eval-temperature", type=float, default=None, help="default: --rollout-temperature")
+    rollout.add_argument("--eval-top-p", type=float, default=None, help="default: --rollout-top-p")
+    rollout.add_argument("--eval-top-k", type=int, default=None, help="default: --rollout-top-k")
     rollout.add_argument("--rollout-engine", default="cpu", help="rollout engine plugin name")
     rollout.add_argument("--rollout-num-engines", type=int, default=2)
+    rollout.add_argument(
+        "--rollout-router",
+        choices=ROUTER_CHOICES,
+        default="none",
+        help="sglang-router: start one sglang-router (pip install 'slime-rl[router]') in front of the engines and "
+        "send every rollout request through it; none: the rollout functions spread requests over the engines",
+    )
     rollout.add_argument("--sglang-server-concurrency", type=int, default=64)
+    rollout.add_argument(
+        "--rollout-http-timeout",
+        type=float,
+        default=600.0,
+        help="seconds an HTTP request to an engine may take (a generation, a weight update)",
+    )
     rollout.add_argument(
         "--rollout-request-retries",
         type=int,
@@ -143,6 +161,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--eps-clip", type=float, default=0.2)
     train.add_argument("--actor-num-nodes", type=int, default=1)
     train.add_argument("--actor-num-gpus-per-node", type=int, default=1, help="ranks per node (CPU processes on CPU)")
+    train.add_argument("--critic-num-nodes", type=int, default=1, help="with --use-critic")
+    train.add_argument("--critic-num-gpus-per-node", type=int, default=1, help="critic ranks per node (--use-critic)")
     train.add_argument(
         "--train-num-cpus-per-rank",
         type=float,
@@ -169,6 +189,20 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep each exported weight directory after the engines loaded it (default: removed)",
     )
     train.add_argument("--seed", type=int, default=1234)
+    train.add_argument(
+        "--use-rollout-routing-replay",
+        action="store_true",
+        help="keep and validate the MoE routed experts the engines captured, for a backend that replays them",
+    )
+    train.add_argument("--num-layers", type=int, default=None, help="layers a routed-experts capture must cover")
+    train.add_argument("--moe-router-topk", type=int, default=None, help="experts per token in routed-experts captures")
+    train.add_argument(
+        "--use-score-centering",
+        action="store_true",
+        help="keep and validate the engines' top-k (top-p with --rollout-top-p < 1) log-prob captures, for a backend "
+        "that centers scores with them",
+    )
+    train.add_argument("--score-centering-top-k", type=int, default=None, help="entries per token in a top-k capture")
 
     ckpt = parser.add_argument_group("checkpoints")
     ckpt.add_argument("--save", default=None, help="checkpoint directory (joint commits with straw)")
@@ -182,6 +216,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     ckpt.add_argument("--no-save-rng", action="store_true")
     ckpt.add_argument("--no-load-optim", action="store_true")
     ckpt.add_argument("--no-load-rng", action="store_true")
+    ckpt.add_argument(
+        "--use-stateless-adam",
+        action="store_true",
+        help="the optimizer keeps no state a resume needs: a checkpoint saved with --no-save-optim stays resumable "
+        "(it must hold opt_param_scheduler.pt)",
+    )
 
     debug = parser.add_argument_group("debugging")
     debug.add_argument(
@@ -197,6 +237,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     debug.add_argument("--debug-train-only", action="store_true")
     debug.add_argument("--debug-rollout-only", action="store_true")
     debug.add_argument("--eval-interval", type=int, default=None)
+    debug.add_argument(
+        "--skip-eval-before-train", action="store_true", help="no evaluation before the first step (--eval-interval)"
+    )
     debug.add_argument("--metrics-dir", default=None)
 
 
@@ -300,7 +343,6 @@ def parse_args(argv: Sequence[str] | None = None, *, return_restore_plan: bool =
         _refuse_unrecognized(parser, extras, pm)
     args.explicit_options = _explicit_options(build_parser(pm), argv)
     args.plugin_selection = selection
-    args.plugin_defaults = {dest: plugin for dest, (plugin, _) in defaults.items()}
     if args.rollout_data_transport not in registry.kinds["transports"]:
         available = ", ".join(sorted(registry.kinds["transports"]))
         parser.error(
@@ -312,6 +354,11 @@ def parse_args(argv: Sequence[str] | None = None, *, return_restore_plan: bool =
         args.rollout_data_compression = None
     pm.hook.slime_configure(args=args)
     _check_named_options(parser, args, registry)
+    if args.rollout_router == "sglang-router" and not sglang_router_available():
+        parser.error(
+            '--rollout-router sglang-router needs the sglang-router package: pip install "slime-rl[router]" '
+            "(or drop --rollout-router)"
+        )
     if args.update_weight_transport == "disk" and args.update_weight_disk_dir is None and args.save:
         args.update_weight_disk_dir = str(Path(args.save).expanduser().resolve() / "weights")
     if not return_restore_plan:
