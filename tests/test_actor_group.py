@@ -6,48 +6,35 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fakes import fake_actor_handle
 
+from slime.backend_interfaces import TrainBackend
 from slime.ray import actor_group
 from slime.ray.actor_group import Placement, RayTrainGroup
+from slime.ray.rollout import RolloutManager
 
 
-class Remote:
-    """A stand-in for one Ray actor method: `.remote(...)` records the call and returns `result(...)`."""
+def _rank(log: list, args, rank: int = 0):
+    """One training rank's handle whose `update_weights` writes the export directory as a real backend does."""
+    version = [int(getattr(args, "update_weight_start_version", 0) or 0)]
 
-    def __init__(self, log: list, name: str, result=None) -> None:
-        self.log, self.name, self.result = log, name, result
-
-    def remote(self, *args, **kwargs):
-        self.log.append((self.name, args, kwargs))
-        return self.result(*args, **kwargs) if callable(self.result) else self.result
-
-
-class FakeRank:
-    """One training rank whose `update_weights` writes the export directory as a real backend does."""
-
-    def __init__(self, log: list, args, rank: int = 0) -> None:
-        self.args, self.rank = args, rank
-        self.version = int(getattr(args, "update_weight_start_version", 0) or 0)
-        self.update_weights = Remote(log, "rank.update_weights", self._export)
-        self.save_model = Remote(log, "rank.save_model")
-        self.init = Remote(log, "rank.init", 5)
-        self.train = Remote(log, "rank.train", {"loss": 1.0})
-
-    def _export(self):
-        self.version += 1
-        if self.rank == 0 and getattr(self.args, "update_weight_transport", None) == "disk":
-            target = Path(self.args.update_weight_disk_dir) / f"weight_v{self.version:06d}"
+    def export():
+        version[0] += 1
+        if rank == 0 and getattr(args, "update_weight_transport", None) == "disk":
+            target = Path(args.update_weight_disk_dir) / f"weight_v{version[0]:06d}"
             target.mkdir(parents=True)
             (target / "model.safetensors").write_bytes(b"w")
 
+    return fake_actor_handle(TrainBackend, log, "rank", update_weights=export, init=5, train={"loss": 1.0})
 
-class FakeManager:
-    def __init__(self, log: list) -> None:
-        self.update_weights_from_disk = Remote(log, "manager.update_weights_from_disk", self._check)
-        self.seen_dirs: list[bool] = []
 
-    def _check(self, path, version):
-        self.seen_dirs.append(Path(path).is_dir())
+def _manager(log: list, seen_dirs: list):
+    """The rollout manager's handle; `update_weights_from_disk` notes whether the export is still there."""
+
+    def update_weights_from_disk(path, version):
+        seen_dirs.append(Path(path).is_dir())
+
+    return fake_actor_handle(RolloutManager, log, "manager", update_weights_from_disk=update_weights_from_disk)
 
 
 def _args(tmp_path, **overrides):
@@ -71,10 +58,10 @@ def no_ray(monkeypatch):
     monkeypatch.setattr(actor_group, "RELEASE_GRACE_S", 0.0)
 
 
-def _group(args, log, ranks=1):
+def _group(args, log, ranks=1, seen_dirs=None):
     group = RayTrainGroup(args, 1, ranks, pg=None)
-    group._actor_handlers = [FakeRank(log, args, rank) for rank in range(ranks)]
-    group._rollout_manager = FakeManager(log)
+    group._actor_handlers = [_rank(log, args, rank) for rank in range(ranks)]
+    group._rollout_manager = _manager(log, [] if seen_dirs is None else seen_dirs)
     return group
 
 
@@ -89,13 +76,14 @@ def test_constructing_a_group_touches_no_ray(tmp_path):
 
 def test_disk_versions_count_from_start_and_exports_are_removed_after_reload(tmp_path, no_ray):
     log: list = []
-    group = _group(_args(tmp_path), log, ranks=2)
+    seen_dirs: list = []
+    group = _group(_args(tmp_path), log, ranks=2, seen_dirs=seen_dirs)
     for expected in (4, 5, 6):
         assert group.update_weights() is None
         assert group._disk_weight_version == expected
     reloads = [call[1] for call in log if call[0] == "manager.update_weights_from_disk"]
     assert reloads == [(str(tmp_path / "weights" / f"weight_v{v:06d}"), str(v)) for v in (4, 5, 6)]
-    assert group._rollout_manager.seen_dirs == [True, True, True]  # Still there while engines load it.
+    assert seen_dirs == [True, True, True]  # Still there while engines load it.
     assert not any((tmp_path / "weights").iterdir())
     assert sum(call[0] == "rank.update_weights" for call in log) == 6
 
@@ -145,7 +133,7 @@ def test_failed_export_does_not_advance_the_version(tmp_path, no_ray):
     def fail():
         raise OSError("disk full")
 
-    group._actor_handlers[0].update_weights.result = fail
+    group._actor_handlers[0].update_weights.behaviour = fail
     with pytest.raises(OSError, match="disk full"):
         group.update_weights()
     assert group._disk_weight_version == 3
@@ -154,19 +142,13 @@ def test_failed_export_does_not_advance_the_version(tmp_path, no_ray):
 
 def test_release_kills_ranks_before_reload_and_save_points_next_create_at_it(tmp_path, no_ray, monkeypatch):
     log: list = []
-    args = _args(tmp_path, release_train=True, ckpt_step=2, finetune=True, no_load_rng=True)
+    args = _args(tmp_path, release_train=True, ckpt_step=2, no_load_rng=True)
     group = _group(args, log)
     rank = group._actor_handlers[0]
     monkeypatch.setattr(actor_group.ray, "kill", lambda actor, no_restart=True: log.append(("kill", (actor,), {})))
     group.save_model(9, force_sync=True)
     assert ("rank.save_model", (9,), {"force_sync": True}) in log
-    assert (args.load, args.ckpt_step, args.finetune, args.no_load_optim, args.no_load_rng) == (
-        args.save,
-        None,
-        False,
-        True,
-        False,
-    )
+    assert (args.load, args.ckpt_step, args.no_load_optim, args.no_load_rng) == (args.save, None, True, False)
     group.update_weights()
     names = [call[0] for call in log]
     assert names.index("kill") < names.index("manager.update_weights_from_disk")
@@ -183,25 +165,28 @@ def test_manager_registration_only_moves_the_weight_version_forward(tmp_path, no
     log: list = []
     args = _args(tmp_path)
     group = _group(args, log)
-    group._rollout_manager.register_training_actors = Remote(
-        log, "manager.register", {"update_weight_start_version": 1, "rollout_engine_urls": ["u"]}
-    )
+    register = group._rollout_manager.register_training_actors
+    register.behaviour = {"update_weight_start_version": 1, "rollout_engine_urls": ["u"]}
     group._register_with_rollout_manager()
     assert group._disk_weight_version == 3 and args.update_weight_start_version == 3
     assert args.rollout_engine_urls == ["u"]
-    group._rollout_manager.register_training_actors.result = {"update_weight_start_version": 10}
+    register.behaviour = {"update_weight_start_version": 10}
     group._register_with_rollout_manager()
+    assert [call.args for call in register.calls] == [("actor", group._actor_handlers)] * 2
     assert group._disk_weight_version == 10 and args.update_weight_start_version == 10
-    group._actor_handlers = [FakeRank(log, args)]  # Ranks initialize after registration, from these args.
+    group._actor_handlers = [_rank(log, args)]  # Ranks initialize after registration, from these args.
     group.update_weights()
     assert (str(tmp_path / "weights" / "weight_v000011"), "11") in [c[1] for c in log]
 
 
 def test_backend_class_comes_from_the_registry(tmp_path):
+    import ray
+
     from slime.plugins.torch_backend import TorchTrainRayActor
 
     assert RayTrainGroup(_args(tmp_path), 1, 1, pg=None)._backend_class() is TorchTrainRayActor
-    assert RayTrainGroup(_args(tmp_path), 1, 1, pg=None, actor_cls=FakeRank)._backend_class() is FakeRank
+    remote_cls = ray.remote(TorchTrainRayActor)  # an explicit class wins, used as given (here a Ray actor class)
+    assert RayTrainGroup(_args(tmp_path), 1, 1, pg=None, actor_cls=remote_cls)._backend_class() is remote_cls
     from slime.plugin_manager import PluginError
 
     with pytest.raises(PluginError, match="nope"):

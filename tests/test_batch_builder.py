@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import straw.tensor
+from fakes import local_actor_handle
 
 from slime.data import batch_builder as module
 from slime.data.queue_data_source import RolloutQueueController
@@ -16,19 +17,6 @@ from slime.utils.data import process_rollout_data
 from slime.utils.dp_schedule import build_dp_schedule
 from slime.utils.misc import Box
 from slime.utils.types import Sample
-
-CONTROLLER_METHODS = (
-    "begin_collection",
-    "complete",
-    "accepted",
-    "result",
-    "batch",
-    "plan_batch",
-    "ready_batch",
-    "training_state",
-    "restore_training_state",
-    "finish_batch",
-)
 
 
 def _pack_bytes(root) -> int:
@@ -47,9 +35,7 @@ def durable(tmp_path, monkeypatch):
     monkeypatch.setattr(module.ray, "get", lambda value: value)
     monkeypatch.setattr(module.ray, "put", lambda value: value)
     with closing(RolloutQueueController(args)) as controller:
-        handle = SimpleNamespace(
-            **{name: SimpleNamespace(remote=getattr(controller, name)) for name in CONTROLLER_METHODS}
-        )
+        handle = local_actor_handle(controller)
         builder = module.BatchBuilder(args, controller=handle)
         builder.train_parallel_config = {"dp_size": 2}
         builder.rollout_id = 0

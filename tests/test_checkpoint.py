@@ -4,12 +4,14 @@ import json
 from contextlib import closing
 from pathlib import Path
 from types import SimpleNamespace
-from unittest.mock import Mock
 
 import pytest
+from fakes import Call, fake_actor_handle, fake_object
 
 from slime.data.checkpoint import commit_checkpoint, committed_steps, resolve_checkpoint, save_checkpoint
 from slime.plugins.checkpoint_policies import prune_checkpoints, retained_steps
+from slime.ray.actor_group import RayTrainGroup
+from slime.ray.rollout import RolloutManager
 
 
 def _step(root: Path, step: int, pool: Path, *, run_id: str = "rollout", commit: bool = True) -> Path:
@@ -162,7 +164,10 @@ def test_non_durable_and_debug_runs_select_nothing(tmp_path):
     from slime.interfaces import run_transport
 
     for args, resolve in (
-        (_restore(root, root, step=1, rollout_data_transport="object-store"), lambda a: run_transport(a).resolve_restore()),
+        (
+            _restore(root, root, step=1, rollout_data_transport="object-store"),
+            lambda a: run_transport(a).resolve_restore(),
+        ),
         (_restore(root, root, step=1, debug_train_only=True), resolve_checkpoint),
     ):
         before = vars(args).copy()
@@ -198,11 +203,9 @@ def _save_args(tmp_path, **extra):
 
 
 def _writing_models(tmp_path):
-    """An actor and manager that write real payloads, so the joint policy can commit."""
-    actor, manager = Mock(), Mock()
-    actor.args = SimpleNamespace(save=str(tmp_path))
+    """An actor group and a manager handle that write real payloads, so the joint policy can commit."""
 
-    def save_model(step, *, force_sync):
+    def save_model(step, force_sync=False):
         (tmp_path / f"iter_{step:07d}").mkdir(parents=True)
         (tmp_path / f"iter_{step:07d}/weights.pt").write_bytes(b"w")
         (tmp_path / "latest_checkpointed_iteration.txt").write_text(str(step))
@@ -212,9 +215,8 @@ def _writing_models(tmp_path):
         for name in ("queue_state", "builder_state"):
             (tmp_path / f"rollout/{name}_{step}.json").write_text("{}")
 
-    actor.save_model.side_effect = save_model
-    manager.save.remote.side_effect = save_rollout
-    manager.get_weight_version.remote.side_effect = lambda: 42
+    actor = fake_object(RayTrainGroup, args=SimpleNamespace(save=str(tmp_path)), save_model=save_model)
+    manager = fake_actor_handle(RolloutManager, save=save_rollout, get_weight_version=42)
     return actor, manager
 
 
@@ -222,7 +224,7 @@ def test_joint_policy_commits_with_serving_weight_version(tmp_path, monkeypatch)
     monkeypatch.setattr("ray.get", lambda value: value)
     actor, manager = _writing_models(tmp_path)
     save_checkpoint(_save_args(tmp_path), 3, actor, None, manager, actor_trains=True)
-    actor.save_model.assert_called_once_with(3, force_sync=True)
+    assert actor.save_model.calls == [Call("save_model", (3,), {"force_sync": True})]
     assert json.loads((tmp_path / "rollout/committed_3.json").read_text())["weight_version"] == 42
 
 
@@ -231,7 +233,7 @@ def test_checkpoint_policy_flag_overrides_the_transport(tmp_path, monkeypatch):
     actor, manager = _writing_models(tmp_path)
     save_checkpoint(_save_args(tmp_path, checkpoint_policy="plain"), 3, actor, None, manager, actor_trains=True)
     assert not (tmp_path / "rollout/committed_3.json").exists()
-    manager.save.remote.assert_called_once_with(3)
+    assert manager.save.calls == [Call("save", (3,), {})]
     from slime.plugin_manager import PluginError
 
     with pytest.raises(PluginError, match="'nope'"):
@@ -240,10 +242,11 @@ def test_checkpoint_policy_flag_overrides_the_transport(tmp_path, monkeypatch):
 
 def test_object_store_final_step_forces_sync(tmp_path, monkeypatch):
     monkeypatch.setattr("ray.get", lambda value: value)
-    actor, manager = Mock(), Mock()
+    actor, manager = fake_object(RayTrainGroup), fake_actor_handle(RolloutManager)
     args = _save_args(tmp_path, rollout_data_transport="object-store")
     save_checkpoint(args, 9, actor, None, manager, actor_trains=True)
-    actor.save_model.assert_called_once_with(9, force_sync=True)
+    assert actor.save_model.calls == [Call("save_model", (9,), {"force_sync": True})]
+    assert manager.save.calls == [Call("save", (9,), {})]
 
 
 # --------------------------------------------------------------------------------------------- retention

@@ -25,26 +25,25 @@ CHILD = textwrap.dedent(
     from slime.data.checkpoint import save_checkpoint
 
     root, point = Path(sys.argv[1]), sys.argv[2]
+    sys.path.insert(0, sys.argv[3])  # tests/, for fakes
+    from fakes import fake_actor_handle, fake_object
+    from slime.ray.actor_group import RayTrainGroup
+    from slime.ray.rollout import RolloutManager
+
     ray.get = lambda value, **kw: value
 
     def die(where, step):
         if step == 1 and point == where:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    class Model:
-        def __init__(self, save, name):
-            self.args = SimpleNamespace(save=str(save))
-            self.save, self.name = save, name
-        def save_model(self, step, force_sync=False):
-            directory = self.save / f"iter_{step:07d}"
+    def model(save, name):  # a training group whose save_model writes a real payload, then may die
+        def save_model(step, force_sync=False):
+            directory = save / f"iter_{step:07d}"
             directory.mkdir(parents=True)
             (directory / "weights.pt").write_bytes(os.urandom(64))
-            (self.save / "latest_checkpointed_iteration.txt").write_text(str(step))
-            die(f"after_{self.name}", step)
-
-    class Remote:
-        def __init__(self, fn):
-            self.remote = fn
+            (save / "latest_checkpointed_iteration.txt").write_text(str(step))
+            die(f"after_{name}", step)
+        return fake_object(RayTrainGroup, args=SimpleNamespace(save=str(save)), save_model=save_model)
 
     def save_rollout(step):
         (root / "rollout").mkdir(exist_ok=True)
@@ -62,12 +61,12 @@ CHILD = textwrap.dedent(
     import slime.plugins.checkpoint_policies as policies
 
     policies.commit_checkpoint = commit_then_die
-    manager = SimpleNamespace(save=Remote(save_rollout), get_weight_version=Remote(lambda: 1))
+    manager = fake_actor_handle(RolloutManager, save=save_rollout, get_weight_version=1)
     args = SimpleNamespace(
         rollout_data_transport="straw", release_train=False, num_rollout=10, use_critic=True,
         debug_train_only=False, debug_rollout_only=False, save=str(root), rollout_data_dir=str(root / "pool"),
     )
-    actor, critic = Model(root, "actor"), Model(root / "critic", "critic")
+    actor, critic = model(root, "actor"), model(root / "critic", "critic")
     for step in (0, 1):
         save_checkpoint(args, step, actor, critic, manager, actor_trains=True)
     """
@@ -80,7 +79,8 @@ CHILD = textwrap.dedent(
 )
 def test_kill_during_save_resumes_from_last_complete_marker(tmp_path, point, expected):
     root = tmp_path / "run"
-    child = subprocess.run([sys.executable, "-c", CHILD, str(root), point], capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-c", CHILD, str(root), point, str(Path(__file__).parent)]
+    child = subprocess.run(command, capture_output=True, text=True, timeout=120)
     if point == "never":
         assert child.returncode == 0, child.stderr
     else:

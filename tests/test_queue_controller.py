@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fakes import local_actor_handle
 
 from slime.data import queue_data_source
 from slime.data.checkpoint import RestorePlan
@@ -211,16 +212,6 @@ def test_bad_inputs_get_clear_errors(tmp_path):
         assert controller.queue._usage()["accepted_unprocessed"]["bytes"] == 0
 
 
-def _handle(controller):
-    return SimpleNamespace(
-        **{
-            name: SimpleNamespace(remote=getattr(controller, name))
-            for name in dir(controller)
-            if not name.startswith("_") and callable(getattr(controller, name))
-        }
-    )
-
-
 def test_prompt_tasks_are_produced_once_and_handed_back(tmp_path, monkeypatch):
     from slime.data import queue_reader
     from slime.data.transport import pack_rollout_group
@@ -238,7 +229,7 @@ def test_prompt_tasks_are_produced_once_and_handed_back(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(queue_reader.ray, "get", lambda value: value)
     with closing(RolloutQueueController(args)) as controller:
-        handle = _handle(controller)
+        handle = local_actor_handle(controller)
         source = queue_data_source.QueueDataSource(args, controller=handle)
         try:
             assert source.dataset_size == 3 and source.reader_config.dataset_size == 3

@@ -8,10 +8,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
+from fakes import fake_actor_handle, fake_object
 
+from slime.data.batch_builder import BatchBuilder
+from slime.data.queue_controller import RolloutQueueController
+from slime.data.queue_reader import QueueDataSource
 from slime.observability import logging_utils
 from slime.plugin_manager import PluginError
 from slime.ray import rollout, serving
+from slime.ray.health_monitor import EngineHealthMonitor
 from slime.rollout.base_types import RolloutFnTrainOutput
 from slime.utils.types import Sample
 
@@ -30,9 +35,14 @@ def _bare_manager(args, **fields):
     return manager
 
 
+def _server(urls):
+    """A real rollout server of live engines at `urls` (no launcher: nothing here relaunches)."""
+    return serving.RolloutServer(SimpleNamespace(), None, list(urls), list(urls))
+
+
 def test_dispose_runs_every_step_in_order_and_reports_the_first_failure(monkeypatch):
     calls = []
-    controller = SimpleNamespace(close=SimpleNamespace(remote=lambda: calls.append("controller_close")))
+    controller = fake_actor_handle(RolloutQueueController, close=lambda: calls.append("controller_close"))
 
     def failing_close():
         calls.append("source_close")
@@ -43,7 +53,7 @@ def test_dispose_runs_every_step_in_order_and_reports_the_first_failure(monkeypa
     args = SimpleNamespace(rollout_data_transport="straw")
     manager = _bare_manager(
         args,
-        data_source=SimpleNamespace(close=failing_close),
+        data_source=fake_object(QueueDataSource, close=failing_close),
         controller=controller,
         _owns_controller=True,
         _launched_servers=False,
@@ -59,37 +69,43 @@ def test_dispose_runs_every_step_in_order_and_reports_the_first_failure(monkeypa
 
 def test_borrowed_controller_is_never_closed(monkeypatch):
     calls = []
-    controller = SimpleNamespace(close=SimpleNamespace(remote=lambda: calls.append("controller_close")))
+    controller = fake_actor_handle(RolloutQueueController, close=lambda: calls.append("controller_close"))
     manager = _bare_manager(
         SimpleNamespace(), data_source=object(), controller=controller, _owns_controller=False, _launched_servers=False
     )
     monkeypatch.setattr(rollout.logging_utils, "finish_tracking", lambda _: calls.append("finish"))
     manager.dispose()
-    assert calls == ["finish"]
+    assert calls == ["finish"] and controller.calls == []
 
 
 def test_recovery_without_serving_skips_the_first_step():
-    calls = []
-    server = SimpleNamespace(update_weights=True, recover=lambda: calls.append("recover"))
+    launches = []
+
+    def launcher(args, count):
+        launches.append(count)
+        return [f"http://new-{i}" for i in range(count)]
+
+    server = serving.RolloutServer(SimpleNamespace(), launcher, ["http://old-0"], [None])  # its engine died
     manager = _bare_manager(SimpleNamespace(), servers={"model": server})
     manager.recover_updatable_engines()
-    assert calls == []
+    assert launches == []
     manager.rollout_id = 3
     manager.recover_updatable_engines()
-    assert calls == ["recover"]
+    assert launches == [1] and manager.args.rollout_engine_urls == ["http://new-0"]
 
 
 def test_serving_cluster_checks_monitors_at_the_rollout_boundary():
     events = []
-    monitor = SimpleNamespace(
-        pause=lambda: events.append("pause"), check_once=lambda: events.append("check"), resume=lambda: None
+    monitor = fake_object(
+        EngineHealthMonitor, pause=lambda: events.append("pause"), check_once=lambda: events.append("check")
     )
     cluster = object.__new__(Cluster)
-    cluster.servers = {"model": SimpleNamespace(update_weights=True, all_engines=[object()])}
+    cluster.servers = {"model": serving.RolloutServer(SimpleNamespace(), None, ["http://e"], [object()])}
     cluster._health_monitors = [monitor]
     assert cluster.finish_rollout() is cluster.servers
     assert events == ["pause", "check"]
-    assert cluster.recover_updatable_engines() is cluster.servers
+    assert cluster.recover_updatable_engines() is cluster.servers  # every engine alive: nothing relaunched
+    assert events == ["pause", "check", "pause"]
 
 
 def test_rollout_server_relaunches_only_missing_engines():
@@ -99,9 +115,8 @@ def test_rollout_server_relaunches_only_missing_engines():
         launches.append(count)
         return [f"http://engine-{len(launches)}-{i}" for i in range(count)]
 
-    server = serving.RolloutServer.launch(SimpleNamespace(), launcher, 2)
+    server = serving.RolloutServer.launch(SimpleNamespace(), launcher, 2, "fake")
     assert server.urls == ["http://engine-1-0", "http://engine-1-1"] and server.num_new_engines == 2
-    assert server.url == "http://engine-1-0"
     server.all_engines[1] = None
     server.recover()
     assert launches == [2, 1]
@@ -121,7 +136,7 @@ def test_in_memory_rollout_data_is_flattened_with_metrics():
     manager = _bare_manager(
         SimpleNamespace(load_debug_rollout_data=None),
         data_source=object(),
-        batch_builder=SimpleNamespace(),
+        batch_builder=fake_object(BatchBuilder),
         generate_rollout=lambda *a, **kw: RolloutFnTrainOutput(samples=groups, metrics={"m": 1}),
     )
     samples, metrics = manager._get_rollout_data(0)
@@ -161,9 +176,7 @@ def test_disk_weight_update_reaches_engines_and_versions_are_checked():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        manager = _bare_manager(
-            SimpleNamespace(), servers={"model": SimpleNamespace(urls=[url])}, weight_version=0, train_actors={}
-        )
+        manager = _bare_manager(SimpleNamespace(), servers={"model": _server([url])}, weight_version=0, train_actors={})
         assert manager.register_training_actors("actor", ["h"]) == {
             "update_weight_start_version": 0,
             "rollout_engine_urls": [url],
@@ -220,7 +233,7 @@ def test_attached_manager_publishes_engine_urls_without_mutating_args():
     original = vars(args).copy()
     deployment = ServingDeployment(
         placements={},
-        servers={"model": SimpleNamespace(urls=["http://a", "http://b"])},
+        servers={"model": _server(["http://a", "http://b"])},
         controller=None,
         restore_plan=None,
         routers={},
@@ -237,7 +250,7 @@ def test_failed_construction_closes_the_controller_it_created(monkeypatch, tmp_p
     from slime.data import queue_data_source
 
     calls = []
-    handle = SimpleNamespace(close=SimpleNamespace(remote=lambda: calls.append("close")))
+    handle = fake_actor_handle(RolloutQueueController, close=lambda: calls.append("close"))
     args = SimpleNamespace(
         rollout_data_transport="straw",
         rollout_data_dir=str(tmp_path),

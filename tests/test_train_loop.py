@@ -10,53 +10,34 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fakes import fake_actor_handle, fake_object
 
 from slime import hookimpl
+from slime.ray.actor_group import RayTrainGroup
+from slime.ray.rollout import RolloutManager
 
 TRAIN_PY = Path(__file__).parents[1] / "train.py"
 
 
-class Remote:
-    """One fake actor method: `.remote(...)` records `(name, args)` and returns `result(*args)` or `result`."""
+def _manager(log: list, fail_generate_at: int | None = None, **behaviours):
+    """The rollout manager's handle, recording into `log` as "manager.<method>"; admission reports paused."""
 
-    def __init__(self, log: list, name: str, result=None) -> None:
-        self.log, self.name, self.result = log, name, result
+    def generate(rollout_id):
+        if rollout_id == fail_generate_at:
+            raise RuntimeError(f"rollout {rollout_id} failed")
+        return [f"ref-{rollout_id}"]
 
-    def remote(self, *args, **kwargs):
-        self.log.append((self.name, args))
-        return self.result(*args, **kwargs) if callable(self.result) else self.result
-
-
-class FakeManager:
-    """The rollout manager's driver-facing methods, recording the order they are called in."""
-
-    def __init__(self, log: list, fail_generate_at: int | None = None) -> None:
-        self.log = log
-
-        def generate(rollout_id):
-            if rollout_id == fail_generate_at:
-                raise RuntimeError(f"rollout {rollout_id} failed")
-            return [f"ref-{rollout_id}"]
-
-        for name in ("training_ready", "training_completed", "resume_rollout_admission", "dispose", "eval"):
-            setattr(self, name, Remote(log, f"manager.{name}"))
-        self.generate = Remote(log, "manager.generate", generate)
-        self.pause_rollout_admission = Remote(log, "manager.pause_rollout_admission", True)
+    behaviours = {"generate": generate, "pause_rollout_admission": True, **behaviours}
+    return fake_actor_handle(RolloutManager, log, "manager", **behaviours)
 
 
-class FakeGroup:
-    def __init__(self, log: list, role: str) -> None:
-        self.log, self.role = log, role
+def _group(log: list, role: str, **behaviours):
+    """A training group recording into `log` as "<role>.<method>"; `async_train` returns one metrics dict."""
 
-    def async_train(self, rollout_id, rollout_data_ref, external_data=None):
-        self.log.append((f"{self.role}.train", (rollout_id, external_data)))
-        return [{"loss": 0.5, "role": self.role}]
+    def async_train(rollout_id, rollout_data_ref, external_data=None):
+        return [{"loss": 0.5, "role": role}]
 
-    def update_weights(self):
-        self.log.append((f"{self.role}.update_weights", ()))
-
-    def create(self, rollout_manager=None):
-        self.log.append((f"{self.role}.create", ()))
+    return fake_object(RayTrainGroup, log, role, **{"async_train": async_train, **behaviours})
 
 
 @pytest.fixture
@@ -83,12 +64,12 @@ def _args(**overrides):
 
 
 def _wire(module, monkeypatch, log, *, critic=False, save_fails_at=None):
-    actor = FakeGroup(log, "actor")
-    critic_model = FakeGroup(log, "critic") if critic else None
+    actor = _group(log, "actor")
+    critic_model = _group(log, "critic") if critic else None
     monkeypatch.setattr(module, "create_training_models", lambda args, pgs, manager: (actor, critic_model))
 
     def save_checkpoint(args, rollout_id, actor_model, critic_model, rollout_manager, *, actor_trains, restore_plan):
-        log.append(("save_checkpoint", (rollout_id, actor_trains, restore_plan)))
+        log.append(("save_checkpoint", (rollout_id, actor_trains, restore_plan), {}))
         if rollout_id == save_fails_at:
             raise OSError("save failed")
 
@@ -97,16 +78,16 @@ def _wire(module, monkeypatch, log, *, critic=False, save_fails_at=None):
 
 
 def _names(log):
-    return [name for name, _ in log]
+    return [name for name, *_ in log]
 
 
 def test_each_step_trains_completes_saves_then_updates_weights(train_module, monkeypatch):
     log: list = []
     _wire(train_module, monkeypatch, log)
-    train_module.train(_args(num_rollout=2), {}, FakeManager(log), None, "plan")
+    train_module.train(_args(num_rollout=2), {}, _manager(log), None, "plan")
     step = [
         "manager.generate",
-        "actor.train",
+        "actor.async_train",
         "manager.training_completed",
         "save_checkpoint",
         "manager.pause_rollout_admission",
@@ -120,20 +101,20 @@ def test_each_step_trains_completes_saves_then_updates_weights(train_module, mon
         *step,  # No resume after the last step: nothing more will be generated.
         "manager.dispose",
     ]
-    assert ("save_checkpoint", (1, True, "plan")) in log
-    assert ("manager.training_completed", (1,)) in log
+    assert ("save_checkpoint", (1, True, "plan"), {}) in log
+    assert ("manager.training_completed", (1,), {}) in log
 
 
 def test_save_interval_and_critic_only_steps(train_module, monkeypatch):
     log: list = []
     _wire(train_module, monkeypatch, log, critic=True)
     args = _args(start_rollout_id=4, num_rollout=8, save_interval=2, use_critic=True, num_critic_only_steps=6)
-    train_module.train(args, {}, FakeManager(log), 4, None)
-    assert [a[0] for n, a in log if n == "save_checkpoint"] == [5, 7]
-    assert [a[1] for n, a in log if n == "save_checkpoint"] == [False, True]  # actor_trains by step
-    assert [a[0] for n, a in log if n == "actor.train"] == [6, 7]
+    train_module.train(args, {}, _manager(log), 4, None)
+    assert [a[0] for n, a, _ in log if n == "save_checkpoint"] == [5, 7]
+    assert [a[1] for n, a, _ in log if n == "save_checkpoint"] == [False, True]  # actor_trains by step
+    assert [a[0] for n, a, _ in log if n == "actor.async_train"] == [6, 7]
     # The actor receives the critic's value refs.
-    assert ("actor.train", (6, [{"loss": 0.5, "role": "critic"}])) in log
+    assert ("actor.async_train", (6, ["ref-6"]), {"external_data": [{"loss": 0.5, "role": "critic"}]}) in log
     assert _names(log).count("actor.update_weights") == 5
 
 
@@ -141,7 +122,7 @@ def test_failed_save_stops_the_run_before_new_weights(train_module, monkeypatch)
     log: list = []
     _wire(train_module, monkeypatch, log, save_fails_at=1)
     with pytest.raises(OSError, match="save failed"):
-        train_module.train(_args(num_rollout=3), {}, FakeManager(log), None, None)
+        train_module.train(_args(num_rollout=3), {}, _manager(log), None, None)
     names = _names(log)
     assert names[-1] == "save_checkpoint"
     assert names.count("manager.generate") == 2 and names.count("actor.update_weights") == 2
@@ -152,24 +133,24 @@ def test_failed_rollout_trains_nothing(train_module, monkeypatch):
     log: list = []
     _wire(train_module, monkeypatch, log)
     with pytest.raises(RuntimeError, match="rollout 0 failed"):
-        train_module.train(_args(), {}, FakeManager(log, fail_generate_at=0), None, None)
+        train_module.train(_args(), {}, _manager(log, fail_generate_at=0), None, None)
     assert _names(log) == ["actor.update_weights", "manager.training_ready", "manager.generate"]
 
 
 def test_release_train_recreates_ranks_and_always_saves(train_module, monkeypatch):
     log: list = []
     _wire(train_module, monkeypatch, log)
-    train_module.train(_args(num_rollout=2, save_interval=None, release_train=True), {}, FakeManager(log), None, None)
+    train_module.train(_args(num_rollout=2, save_interval=None, release_train=True), {}, _manager(log), None, None)
     names = _names(log)
     assert names.count("actor.create") == 2 and names.count("save_checkpoint") == 2
-    assert names.index("actor.create") < names.index("actor.train")
+    assert names.index("actor.create") < names.index("actor.async_train")
 
 
 def test_eval_before_training_and_periodically(train_module, monkeypatch):
     log: list = []
     _wire(train_module, monkeypatch, log)
-    train_module.train(_args(num_rollout=4, eval_interval=2, save_interval=None), {}, FakeManager(log), None, None)
-    assert [a[0] for n, a in log if n == "manager.eval"] == [0, 1, 3]
+    train_module.train(_args(num_rollout=4, eval_interval=2, save_interval=None), {}, _manager(log), None, None)
+    assert [a[0] for n, a, _ in log if n == "manager.eval"] == [0, 1, 3]
 
 
 def test_observer_hooks_are_called_with_the_run_plugins(train_module, monkeypatch):
@@ -197,24 +178,27 @@ def test_observer_hooks_are_called_with_the_run_plugins(train_module, monkeypatc
     log: list = []
     _wire(train_module, monkeypatch, log)
     args = _args(num_rollout=1, plugin_selection=PluginSelection(plugins=(plugin.__name__,), autoload=False))
-    train_module.train(args, {}, FakeManager(log), None, None)
+    train_module.train(args, {}, _manager(log), None, None)
     assert seen == [("rollout", 0), ("train", 0, 0.5), ("commit", 0, "/unused")]
 
 
 def test_joint_commit_records_the_weights_that_generated_the_step(train_module, monkeypatch, tmp_path):
     """With the real joint checkpoint: the marker of step s names weight version s + 1 and the saved files."""
     log: list = []
-    actor = FakeGroup(log, "actor")
     updates = []
-    actor.update_weights = lambda: updates.append(1)
-    actor.args = SimpleNamespace(save=str(tmp_path))
 
     def save_model(step, force_sync=False):
         model = tmp_path / f"iter_{step:07d}"
         model.mkdir()
         (model / "weights.pt").write_bytes(b"w")
 
-    actor.save_model = save_model
+    actor = _group(
+        log,
+        "actor",
+        args=SimpleNamespace(save=str(tmp_path)),
+        save_model=save_model,
+        update_weights=lambda: updates.append(1),
+    )
     monkeypatch.setattr(train_module, "create_training_models", lambda *a: (actor, None))
 
     def save_rollout(step):
@@ -222,10 +206,7 @@ def test_joint_commit_records_the_weights_that_generated_the_step(train_module, 
             (tmp_path / "rollout").mkdir(exist_ok=True)
             (tmp_path / "rollout" / f"{name}_{step}.json").write_text("{}")
 
-    manager = FakeManager(log)
-    manager.save = Remote(log, "manager.save", save_rollout)
-    manager.get_weight_version = Remote(log, "manager.get_weight_version", lambda: 5 + len(updates))
-    manager.checkpoint_committed = Remote(log, "manager.checkpoint_committed")
+    manager = _manager(log, save=save_rollout, get_weight_version=lambda: 5 + len(updates))
     args = _args(
         start_rollout_id=5,
         num_rollout=7,
@@ -245,3 +226,4 @@ def test_joint_commit_records_the_weights_that_generated_the_step(train_module, 
             f"rollout/queue_state_{step}.json",
             f"rollout/builder_state_{step}.json",
         }
+    assert [call.args for call in manager.save.calls] == [(5,), (6,)]

@@ -149,11 +149,11 @@ class RayTrainGroup:
     def _register_with_rollout_manager(self) -> None:
         """Tell the rollout manager about the new ranks and adopt the configuration it returns.
 
-        A manager that predates this call (no `register_training_actors`) is left alone. The returned
-        weight version only moves forward: engines may already serve a newer one than this group counted.
+        The returned weight version only moves forward: engines may already serve a newer one than this group
+        counted.
         """
         manager = self._rollout_manager
-        if manager is None or not hasattr(manager, "register_training_actors"):
+        if manager is None:
             return
         config = ray.get(manager.register_training_actors.remote(self.role, self._actor_handlers))
         if not config:
