@@ -37,7 +37,7 @@ class FloorConfig:
     temperature: float = 1.0
     global_batch_size: int = 0  # samples per optimizer step; 0: the whole rollout (one step)
     lr: float = 1e-3
-    #: The rest of the optimizer's settings (`slime.plugins.torch_optim.build_optimizer` reads them).
+    #: The rest of the optimizer's settings (`slime.plugins.torch_optim.OptimizerSettings` fields).
     optimizer: dict = field(default_factory=dict)
     eps_clip: float = 0.2
     eps_clip_high: float | None = None
@@ -163,7 +163,7 @@ def run_floor(config: FloorConfig, model_dir: Path | None = None) -> list[FloorS
     from slime.data.batch_builder import normalize_group_rewards
     from slime.plugins.demo_task import DEMO_ROW_OPTIONS, copy_reward, demo_prompt_rows
     from slime.plugins.tiny_model import ensure_tiny_model
-    from slime.plugins.torch_optim import build_optimizer
+    from slime.plugins.torch_optim import OptimizerSettings, build_optimizer
 
     torch.manual_seed(config.seed)
     with tempfile.TemporaryDirectory() as scratch:
@@ -172,13 +172,15 @@ def run_floor(config: FloorConfig, model_dir: Path | None = None) -> list[FloorS
         model = AutoModelForCausalLM.from_pretrained(directory)
     optimizer, scheduler = build_optimizer(
         model.parameters(),
-        SimpleNamespace(
-            lr=config.lr,
-            num_rollout=config.steps,
-            rollout_batch_size=config.rollout_batch_size,
-            n_samples_per_prompt=config.n_samples_per_prompt,
-            global_batch_size=config.global_batch_size,
-            **config.optimizer,
+        OptimizerSettings.from_args(
+            SimpleNamespace(
+                lr=config.lr,
+                num_rollout=config.steps,
+                rollout_batch_size=config.rollout_batch_size,
+                n_samples_per_prompt=config.n_samples_per_prompt,
+                global_batch_size=config.global_batch_size,
+                **config.optimizer,
+            )
         ),
     )
     rows = demo_prompt_rows(config.prompt_count, seed=0, **DEMO_ROW_OPTIONS)

@@ -5,7 +5,8 @@ GPUs it allots) at the point of use, so tests and tools can also drive it in-pro
 Hugging Face causal LM (`--hf-checkpoint`, default the built-in tiny model) on CPU, or on the GPU of its
 `LOCAL_RANK` when CUDA is present. With `WORLD_SIZE > 1` (the group sets `MASTER_ADDR`, `MASTER_PORT`,
 `RANK`, `WORLD_SIZE` in each actor's environment, or passes them to the constructor) the model is wrapped
-in `DistributedDataParallel` over gloo (NCCL on GPU).
+in `DistributedDataParallel` over gloo (NCCL on GPU). `init` reads the run's arguments once, into a
+validated `slime.plugins.torch_settings.TrainSettings`; nothing else reads them.
 
 One `train` call is one rollout step: the rank loads its shard (`process_rollout_data`), computes the
 old-policy (and, with `--kl-coef`, reference) log-probs of the response tokens, then takes one AdamW step
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from slime import hookimpl
+from slime.backend_interfaces import weight_dir
 from slime.plugins import torch_checkpoint as ckpt
 from slime.plugins.torch_losses import (
     KL_ESTIMATORS,
@@ -37,7 +39,8 @@ from slime.plugins.torch_losses import (
     policy_loss,
     token_log_probs_and_entropy,
 )
-from slime.plugins.torch_optim import add_optimizer_options, build_optimizer, optimizer_option
+from slime.plugins.torch_optim import add_optimizer_options, build_optimizer
+from slime.plugins.torch_settings import TrainSettings
 from slime.specs import TrainBackendSpec
 
 logger = logging.getLogger(__name__)
@@ -47,7 +50,8 @@ METRIC_NAMES = ("loss", "pg_loss", "kl", "clipfrac", "ppo_ratio", "entropy")
 
 
 class TorchTrainRayActor:
-    """One training rank. Call `init` once, then `train`, `save_model` and `update_weights` as the group does.
+    """One training rank (a `slime.backend_interfaces.TrainBackend`). Call `init` once, then `train`,
+    `save_model` and `update_weights` as the group does.
 
     The constructor only records the rank; `init` loads the model. Rank and world come from the explicit
     arguments when given, else from the environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`).
@@ -68,7 +72,7 @@ class TorchTrainRayActor:
             os.environ["MASTER_PORT"] = str(master_port)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size} (RANK / WORLD_SIZE)")
-        self.args: Any = None
+        self.settings: TrainSettings | None = None
         self.model: Any = None
 
     # ------------------------------------------------------------------ setup
@@ -79,31 +83,24 @@ class TorchTrainRayActor:
             raise ValueError(f"the torch backend trains the policy only, not role {role!r}; drop --use-critic")
         if with_opd_teacher:
             raise ValueError("the torch backend has no on-policy distillation teacher; choose another --train-backend")
-        estimator = getattr(args, "advantage_estimator", "grpo") or "grpo"
-        if estimator != "grpo":
-            raise ValueError(f"the torch backend supports --advantage-estimator grpo only, got {estimator!r}")
+        settings = self.settings = TrainSettings.from_args(args)
         from transformers import AutoModelForCausalLM
 
-        self.args = args
         self.role = role
         self.device = self._select_device()
         self._init_process_group()
-        seed = int(getattr(args, "seed", 1234) or 0)
-        torch.manual_seed(seed + self.rank)
+        torch.manual_seed(settings.seed + self.rank)
 
-        load_root, step = self._checkpoint_to_load(args)
-        finetune = bool(getattr(args, "finetune", False))
-        self.hf_source = self._hf_source(args)
+        load_root, step = self._checkpoint_to_load(settings)
+        self.hf_source = self._hf_source(settings)
         source = ckpt.iter_dir(load_root, step) if step is not None else self.hf_source
         logger.info("rank %d loads the policy from %s", self.rank, source)
         self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(self.device)
         self.model.train()
         self.ref_model = None
-        self.kl_coef = float(getattr(args, "kl_coef", 0.0) or 0.0)
-        self.entropy_coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
-        if with_ref or self.kl_coef != 0.0:
-            ref_source = getattr(args, "ref_load", None) or self.hf_source
-            self.ref_model = AutoModelForCausalLM.from_pretrained(ref_source, dtype=torch.float32).to(self.device)
+        if with_ref or settings.loss.kl_coef != 0.0:
+            # The reference is the policy the run started from.
+            self.ref_model = AutoModelForCausalLM.from_pretrained(self.hf_source, dtype=torch.float32).to(self.device)
             self.ref_model.eval().requires_grad_(False)
         if self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -112,14 +109,13 @@ class TorchTrainRayActor:
             self.ddp = DistributedDataParallel(self.model, device_ids=device_ids)
         else:
             self.ddp = None
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), args)
+        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), settings.optimizer)
         self.global_step = 0
-        self.weight_version = int(getattr(args, "update_weight_start_version", 0) or 0)
-        if step is not None and not finetune:
+        self.weight_version = settings.update_weight_start_version
+        if step is not None:
             self._load_training_state(ckpt.iter_dir(load_root, step))
             return step + 1
-        start = getattr(args, "start_rollout_id", None)
-        return int(start) if start is not None else 0
+        return settings.start_rollout_id or 0
 
     def _select_device(self) -> torch.device:
         if torch.cuda.is_available():
@@ -138,25 +134,24 @@ class TorchTrainRayActor:
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
 
     @staticmethod
-    def _hf_source(args: Any) -> str:
-        if getattr(args, "hf_checkpoint", None):
-            return str(args.hf_checkpoint)
+    def _hf_source(settings: TrainSettings) -> str:
+        if settings.hf_checkpoint:
+            return str(settings.hf_checkpoint)
         from slime.plugins.tiny_model import ensure_tiny_model
 
         return str(ensure_tiny_model())
 
     @staticmethod
-    def _checkpoint_to_load(args: Any) -> tuple[Path | None, int | None]:
+    def _checkpoint_to_load(settings: TrainSettings) -> tuple[Path | None, int | None]:
         """`(root, step)` of the checkpoint `--load` / `--ckpt-step` select, or `(None, None)` to start fresh.
 
         A `--load` directory without a tracker and without `--ckpt-step` is a fresh start from
         `--hf-checkpoint` (the first run of a job whose `--load` equals its `--save`).
         """
-        load = getattr(args, "load", None)
-        step = getattr(args, "ckpt_step", None)
-        if not load:
+        step = settings.ckpt_step
+        if not settings.load:
             return None, None
-        root = Path(load)
+        root = Path(settings.load)
         if step is None:
             step = ckpt.read_tracker(root)
             if step is None:
@@ -173,9 +168,9 @@ class TorchTrainRayActor:
         scheduler_state = ckpt.load_state_file(directory / ckpt.SCHEDULER_FILE)
         self.scheduler.load_state_dict(scheduler_state["scheduler"])
         self.global_step = int(scheduler_state["global_step"])
-        if not getattr(self.args, "no_load_optim", False):
+        if not self.settings.no_load_optim:
             self.optimizer.load_state_dict(ckpt.load_state_file(directory / ckpt.OPTIMIZER_FILE))
-        if not getattr(self.args, "no_load_rng", False):
+        if not self.settings.no_load_rng:
             ckpt.restore_rng_state(ckpt.load_state_file(directory / ckpt.rng_file(self.rank)))
 
     # --------------------------------------------------------------- training
@@ -201,10 +196,8 @@ class TorchTrainRayActor:
         old_log_probs = self._old_log_probs(data, batch, micro_batches)
         ref_log_probs = self._frozen_log_probs(self.ref_model, batch, micro_batches) if self.ref_model else None
 
-        eps_clip = float(getattr(self.args, "eps_clip", 0.2))
-        eps_clip_high = getattr(self.args, "eps_clip_high", None)
-        kl_type = getattr(self.args, "kl_loss_type", None) or "k3"
-        clip_grad = float(optimizer_option(self.args, "clip_grad"))
+        loss = self.settings.loss
+        clip_grad = self.settings.optimizer.clip_grad
         sums = torch.zeros(len(METRIC_NAMES) + 1, dtype=torch.float64)
         grad_norms = []
         trained = self.ddp if self.ddp is not None else self.model
@@ -227,18 +220,18 @@ class TorchTrainRayActor:
                     log_probs, mask, entropy = self._log_probs(trained, batch, indices)
                     old = pad_right([old_log_probs[i] for i in indices]).to(self.device)
                     adv = pad_right([advantages[i] for i in indices]).to(self.device)
-                    pg_tok, clipped = policy_loss(log_probs, old, adv, eps_clip, eps_clip_high)
+                    pg_tok, clipped = policy_loss(log_probs, old, adv, loss.eps_clip, loss.eps_clip_high)
                     per_token = pg_tok
                     if ref_log_probs is not None:
                         ref = pad_right([ref_log_probs[i] for i in indices]).to(self.device)
-                        kl_tok = kl_penalty(log_probs, ref, kl_type)
-                        per_token = pg_tok + self.kl_coef * kl_tok
+                        kl_tok = kl_penalty(log_probs, ref, loss.kl_loss_type)
+                        per_token = pg_tok + loss.kl_coef * kl_tok
                     else:
                         kl_tok = torch.zeros_like(pg_tok)
-                    if self.entropy_coef:
+                    if loss.entropy_coef:
                         # An entropy bonus keeps sampling diverse: a policy that answers a prompt the same way
                         # eight times gives GRPO a zero-variance group and nothing to learn from.
-                        per_token = per_token - self.entropy_coef * entropy
+                        per_token = per_token - loss.entropy_coef * entropy
                     sample_loss = masked_mean(per_token, mask)
                     # Per-sample mean over tokens, summed over the global batch; DDP averages over ranks.
                     (sample_loss.sum() * (self.world_size / global_size)).backward()
@@ -271,7 +264,7 @@ class TorchTrainRayActor:
         """Mean |engine log-prob - trainer log-prob| over response tokens, across ranks: near 0 when the
         engines generated with the weights being trained (same model, same precision); None when the engines
         sent no log-probs or they are the old log-probs themselves (`--use-rollout-logprobs`)."""
-        if getattr(self.args, "use_rollout_logprobs", False) or "rollout_log_probs" not in data:
+        if self.settings.use_rollout_logprobs or "rollout_log_probs" not in data:
             return None
         total = torch.zeros(2, dtype=torch.float64)
         for engine, trainer in zip(_rollout_log_probs(data, batch), old_log_probs, strict=True):
@@ -309,7 +302,7 @@ class TorchTrainRayActor:
                 steps.append((size, flat[start : start + count]))
                 start += count
             return steps
-        size = int(getattr(self.args, "micro_batch_size", 8) or 8)
+        size = self.settings.micro_batch_size
         chunks = [list(range(i, min(i + size, n_local))) for i in range(0, n_local, size)]
         stats = self._all_reduce(torch.tensor([float(n_local)], dtype=torch.float64))
         count = int(self._all_reduce(torch.tensor([float(len(chunks))]), op=dist.ReduceOp.MAX).item())
@@ -328,7 +321,7 @@ class TorchTrainRayActor:
         raise ValueError("training data has none of 'advantages', 'returns', 'rewards'; nothing to learn from")
 
     def _old_log_probs(self, data: dict[str, Any], batch: _Batch, micro_batches: list[list[int]]) -> list[torch.Tensor]:
-        if getattr(self.args, "use_rollout_logprobs", False) and "rollout_log_probs" in data:
+        if self.settings.use_rollout_logprobs and "rollout_log_probs" in data:
             return _rollout_log_probs(data, batch)
         return self._frozen_log_probs(self.model, batch, micro_batches)
 
@@ -389,10 +382,9 @@ class TorchTrainRayActor:
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
         """Write `<save>/iter_<rollout_id:07d>/` atomically, then the tracker (`force_sync`: saves are always
         synchronous here; the argument is accepted for the group's calling convention)."""
-        save = getattr(self.args, "save", None)
-        if not save:
+        if not self.settings.save:
             raise ValueError("save_model needs --save (the checkpoint directory)")
-        root = Path(save)
+        root = Path(self.settings.save)
         staging = ckpt.partial_dir(root, rollout_id)
         error: BaseException | None = None
         if self.rank == 0:
@@ -405,7 +397,7 @@ class TorchTrainRayActor:
                 error = exc
         if self._all_ok(error is None):
             try:
-                if not getattr(self.args, "no_save_rng", False):
+                if not self.settings.no_save_rng:
                     torch.save(ckpt.capture_rng_state(), staging / ckpt.rng_file(self.rank))
             except OSError as exc:
                 error = exc
@@ -423,7 +415,7 @@ class TorchTrainRayActor:
 
     def _write_rank0_checkpoint(self, root: Path, staging: Path, rollout_id: int) -> None:
         self.model.save_pretrained(staging, safe_serialization=True)
-        if not getattr(self.args, "no_save_optim", False):
+        if not self.settings.no_save_optim:
             torch.save(self.optimizer.state_dict(), staging / ckpt.OPTIMIZER_FILE)
         torch.save(
             {"scheduler": self.scheduler.state_dict(), "global_step": self.global_step},
@@ -441,14 +433,11 @@ class TorchTrainRayActor:
         every rank's weights equal); the directory appears complete or not at all. The group then tells the
         engines to reload it.
         """
-        transport = getattr(self.args, "update_weight_transport", "disk") or "disk"
-        if transport != "disk":
-            raise ValueError(f"the torch backend updates engine weights through disk only, not {transport!r}")
-        disk_dir = getattr(self.args, "update_weight_disk_dir", None)
+        disk_dir = self.settings.update_weight_disk_dir
         if not disk_dir:
             raise ValueError("disk weight updates need --update-weight-disk-dir (a directory the engines can read)")
         self.weight_version += 1
-        target = Path(disk_dir) / f"weight_v{self.weight_version:06d}"
+        target = weight_dir(disk_dir, self.weight_version)
         error: BaseException | None = None
         if self.rank == 0:
             staging = target.with_name(f".{target.name}.partial")
@@ -532,7 +521,6 @@ def slime_train_backends() -> Iterable[TrainBackendSpec]:
             TorchTrainRayActor,
             "PyTorch policy trainer (HF causal LM, AdamW, GRPO/PPO clipped loss, DDP over gloo); CPU or one GPU "
             "per rank; plain class, wrapped with ray.remote by RayTrainGroup",
-            requires_gpu=False,
         )
     ]
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from slime.utils.settings import check_options, option, options_from_args
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
-#: Defaults of the optimizer options, for the flags and for `args` objects that lack one (tests, the floor).
+#: Defaults of the optimizer options: of the flags and of `OptimizerSettings` (for `args` objects that lack one).
 DEFAULTS = {
     "adam_beta1": 0.9,
     "adam_beta2": 0.98,
@@ -29,12 +32,59 @@ DEFAULTS = {
     "lr_decay_iters": None,
     "min_lr": 0.0,
 }
+#: The default of the core `--lr` flag.
+DEFAULT_LR = 1e-3
 
 
-def optimizer_option(args: Any, name: str) -> Any:
-    """`args.<name>`, or its default when `args` lacks it or holds None."""
-    value = getattr(args, name, None)
-    return DEFAULTS[name] if value is None else value
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW and its schedule; `run_optimizer_steps` is the run's length in optimizer steps (None when unknown)."""
+
+    lr: float = option("lr", DEFAULT_LR, convert=float)
+    min_lr: float = option("min_lr", DEFAULTS["min_lr"], convert=float)
+    adam_beta1: float = option("adam_beta1", DEFAULTS["adam_beta1"], convert=float)
+    adam_beta2: float = option("adam_beta2", DEFAULTS["adam_beta2"], convert=float)
+    adam_eps: float = option("adam_eps", DEFAULTS["adam_eps"], convert=float, minimum=0.0)
+    weight_decay: float = option("weight_decay", DEFAULTS["weight_decay"], convert=float, minimum=0.0)
+    clip_grad: float = option("clip_grad", DEFAULTS["clip_grad"], convert=float, minimum=0.0)
+    lr_warmup_iters: int = option("lr_warmup_iters", DEFAULTS["lr_warmup_iters"], convert=int, minimum=0)
+    lr_decay_style: str = option("lr_decay_style", DEFAULTS["lr_decay_style"], choices=LR_DECAY_STYLES)
+    lr_decay_iters: int | None = option("lr_decay_iters", DEFAULTS["lr_decay_iters"], convert=int, minimum=0)
+    run_optimizer_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        if self.lr <= 0 or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"need 0 < --lr and 0 <= --min-lr <= --lr, got --lr {self.lr} --min-lr {self.min_lr}")
+        if self.lr_decay_style != "constant" and self.lr_decay_iters is None and self.run_optimizer_steps is None:
+            raise ValueError(
+                f"--lr-decay-style {self.lr_decay_style} needs --lr-decay-iters or --num-rollout to know when to end"
+            )
+
+    @classmethod
+    def from_args(cls, args: Any) -> OptimizerSettings:
+        """The settings of `args` (absent options take `DEFAULTS`); the run's length comes from `--num-rollout`,
+        `--rollout-batch-size`, `--n-samples-per-prompt` and `--global-batch-size`."""
+        return cls(**options_from_args(cls, args), run_optimizer_steps=_run_optimizer_steps(args))
+
+    @property
+    def decay_iters(self) -> int:
+        """The optimizer step at which the decay reaches `min_lr` (0 for a constant schedule)."""
+        if self.lr_decay_iters is not None:
+            return self.lr_decay_iters
+        return 0 if self.lr_decay_style == "constant" else int(self.run_optimizer_steps or 0)
+
+
+def _run_optimizer_steps(args: Any) -> int | None:
+    """`--num-rollout` times the optimizer steps of one rollout (its samples over `--global-batch-size`, 1
+    without one); None without `--num-rollout`."""
+    num_rollout = getattr(args, "num_rollout", None)
+    if not num_rollout:
+        return None
+    samples = int(getattr(args, "rollout_batch_size", 0) or 0) * int(getattr(args, "n_samples_per_prompt", 1) or 1)
+    global_batch = int(getattr(args, "global_batch_size", 0) or 0)
+    per_rollout = max(samples // global_batch, 1) if samples > 0 and global_batch > 0 else 1
+    return int(num_rollout) * per_rollout
 
 
 def lr_multiplier(
@@ -55,52 +105,24 @@ def lr_multiplier(
     raise ValueError(f"unknown --lr-decay-style {decay_style!r}; use one of {', '.join(LR_DECAY_STYLES)}")
 
 
-def optimizer_steps_per_rollout(args: Any) -> int:
-    """Optimizer steps one rollout step takes: its samples over `--global-batch-size` (1 without one)."""
-    samples = int(getattr(args, "rollout_batch_size", 0) or 0) * int(getattr(args, "n_samples_per_prompt", 1) or 1)
-    global_batch = int(getattr(args, "global_batch_size", 0) or 0)
-    if samples <= 0 or global_batch <= 0:
-        return 1
-    return max(samples // global_batch, 1)
-
-
-def _decay_iters(args: Any, style: str) -> int:
-    explicit = getattr(args, "lr_decay_iters", None)
-    if explicit is not None:
-        return int(explicit)
-    if style == "constant":
-        return 0
-    num_rollout = getattr(args, "num_rollout", None)
-    if not num_rollout:
-        raise ValueError(f"--lr-decay-style {style} needs --lr-decay-iters or --num-rollout to know when to end")
-    return int(num_rollout) * optimizer_steps_per_rollout(args)
-
-
 def build_optimizer(
-    parameters: Iterable[torch.nn.Parameter], args: Any
+    parameters: Iterable[torch.nn.Parameter], settings: OptimizerSettings
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over `parameters` and its schedule, from `args` (`lr`, `min_lr`, `adam_beta1/2`, `adam_eps`,
-    `weight_decay`, `lr_warmup_iters`, `lr_decay_style`, `lr_decay_iters`; absent ones take the defaults
-    of `add_optimizer_options`)."""
-    lr = float(getattr(args, "lr", 1e-3))
-    min_lr = float(optimizer_option(args, "min_lr"))
-    warmup = int(optimizer_option(args, "lr_warmup_iters"))
-    style = optimizer_option(args, "lr_decay_style")
-    if style not in LR_DECAY_STYLES:
-        raise ValueError(f"unknown --lr-decay-style {style!r}; use one of {', '.join(LR_DECAY_STYLES)}")
-    if lr <= 0 or not 0 <= min_lr <= lr:
-        raise ValueError(f"need 0 < --lr and 0 <= --min-lr <= --lr, got --lr {lr} --min-lr {min_lr}")
-    if warmup < 0:
-        raise ValueError(f"--lr-warmup-iters must be non-negative, got {warmup}")
-    decay_iters = _decay_iters(args, style)
+    """AdamW over `parameters` and its schedule."""
     optimizer = torch.optim.AdamW(
         parameters,
-        lr=lr,
-        betas=(float(optimizer_option(args, "adam_beta1")), float(optimizer_option(args, "adam_beta2"))),
-        eps=float(optimizer_option(args, "adam_eps")),
-        weight_decay=float(optimizer_option(args, "weight_decay")),
+        lr=settings.lr,
+        betas=(settings.adam_beta1, settings.adam_beta2),
+        eps=settings.adam_eps,
+        weight_decay=settings.weight_decay,
     )
-    schedule = {"lr": lr, "min_lr": min_lr, "warmup_iters": warmup, "decay_style": style, "decay_iters": decay_iters}
+    schedule = {
+        "lr": settings.lr,
+        "min_lr": settings.min_lr,
+        "warmup_iters": settings.lr_warmup_iters,
+        "decay_style": settings.lr_decay_style,
+        "decay_iters": settings.decay_iters,
+    }
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, **schedule))
     return optimizer, scheduler
 

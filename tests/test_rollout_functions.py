@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ from slime.data.refs import DiskPayloadRef
 from slime.data.transport import load_rollout_samples
 from slime.plugins.rollout_builtins import exact_match, final_answer, math_reward, nonzero_std
 from slime.rollout import rm_hub, sglang_rollout
+from slime.rollout.settings import RolloutSettings
 from slime.utils.types import Sample
 
 
@@ -137,6 +139,25 @@ def test_missing_engine_urls_is_a_clear_error(tmp_path):
     args = _args(tmp_path, "unused", rollout_engine_urls=[])
     with pytest.raises(RuntimeError, match="rollout_engine_urls"):
         sglang_rollout.GenerateState(args)
+
+
+def test_rollout_settings_keep_greedy_sampling_apply_eval_overrides_and_name_bad_flags():
+    settings = RolloutSettings.from_args(
+        SimpleNamespace(rollout_batch_size=3, rollout_temperature=0.0, eval_top_k=5, eval_max_response_len=32)
+    )
+    assert settings.over_sampling_batch_size == 3  # defaults to the batch size
+    assert settings.sampling_params() == {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 16}
+    evaluation = {"temperature": 0.0, "top_p": 1.0, "top_k": 5, "max_new_tokens": 32}
+    assert settings.sampling_params(evaluation=True) == evaluation
+    for attributes, message in (
+        ({"rollout_batch_size": 0}, "--rollout-batch-size must be >= 1, got 0"),
+        ({"sglang_server_concurrency": 0}, "--sglang-server-concurrency must be >= 1, got 0"),
+        ({"rollout_top_p": 1.5}, "--rollout-top-p must be <= 1, got 1.5"),
+        ({"rollout_http_timeout": 0}, "--rollout-http-timeout must be > 0.0, got 0.0"),
+        ({"n_samples_per_prompt": "two"}, "--n-samples-per-prompt must be int, got 'two'"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            RolloutSettings.from_args(SimpleNamespace(**attributes))
 
 
 def test_rewards_and_dispatch():

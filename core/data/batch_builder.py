@@ -67,7 +67,6 @@ PLAN_CONFIGURATION = (
     "micro_batch_size",
     "use_dynamic_batch_size",
     "balance_data",
-    "balance_by_flops",
     "n_samples_per_prompt",
     "rollout_batch_size",
     "use_score_centering",

@@ -28,7 +28,6 @@ TRACKER = "latest_checkpointed_iteration.txt"
 _COMMITTED = re.compile(r"committed_(\d+)\.json")
 _INITIAL_KEYS = (
     "hf_checkpoint",
-    "ref_load",
     "prompt_data",
     "input_key",
     "label_key",
@@ -409,7 +408,7 @@ def _apply_selection(args: Any, selected: tuple[Path, int, Any], branch: dict[st
     """Check restore flags against the selected checkpoint and point `args` at it; returns (mode, dataset cursor)."""
     root, step, value = selected
     omit_optim = getattr(args, "no_load_optim", False) and not getattr(args, "use_stateless_adam", False)
-    if getattr(args, "finetune", False) or omit_optim or getattr(args, "no_load_rng", False):
+    if omit_optim or getattr(args, "no_load_rng", False):
         raise ValueError(
             "Checkpoint restoration requires model, optimizer and RNG state (drop --no-load-optim/--no-load-rng, "
             "or start a new run with a new --save)"

@@ -17,6 +17,7 @@ import ray
 from slime.interfaces import run_transport
 from slime.rollout.base_types import RolloutFnTrainOutput, finalize_rollout_groups
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+from slime.rollout.settings import RolloutSettings
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class RolloutScheduler:
         if len(workers) != len(capacities):
             raise ValueError("RolloutScheduler needs one capacity per worker")
         self.args = args
+        self.settings = RolloutSettings.from_args(args)
         self.workers = list(workers)
         self.capacities = [max(1, int(c)) for c in capacities]
         self.ready: list = []
@@ -80,7 +82,7 @@ class RolloutScheduler:
         return sum(self.capacities)
 
     def generate(self, rollout_id: int, prefetch: int | None = None) -> RolloutFnTrainOutput:
-        target = int(self.args.rollout_batch_size)
+        target = self.settings.batch_size
         prefetch = prefetch or self.capacity
         kept = [group for group in self.ready[:target]]
         self.ready = self.ready[target:]
@@ -144,7 +146,8 @@ class DistributedRollout(RolloutScheduler):
         nodes = [node for node in ray.nodes() if node.get("Alive")]
         if not nodes:
             raise RuntimeError("Distributed fully async rollout found no alive Ray node")
-        per_worker = int(getattr(args, "sglang_server_concurrency", None) or 64)
+        settings = RolloutSettings.from_args(args)
+        per_worker = settings.concurrency
         actor_cls = ray.remote(_GenerationActor)
         workers = [
             actor_cls.options(
@@ -153,6 +156,5 @@ class DistributedRollout(RolloutScheduler):
             ).remote(args, config, f"node:{node['NodeID']}", per_worker)
             for node in nodes
         ]
-        n_per_prompt = int(getattr(args, "n_samples_per_prompt", 1) or 1)
-        capacity = max(1, per_worker // n_per_prompt)
+        capacity = max(1, per_worker // settings.n_samples_per_prompt)
         super().__init__(args, workers, [capacity] * len(workers))

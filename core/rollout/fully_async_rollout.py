@@ -16,6 +16,7 @@ from typing import Any
 from slime.interfaces import current_session
 from slime.rollout.base_types import RolloutFnTrainOutput, finalize_rollout_groups, iter_samples
 from slime.rollout.filter_hub.base_types import dynamic_filter_verdict
+from slime.rollout.settings import RolloutSettings
 from slime.utils.misc import load_function
 from slime.utils.types import Sample
 
@@ -30,10 +31,10 @@ class AsyncRolloutWorker:
     def __init__(self, args: Any, data_buffer: Any, concurrency: int) -> None:
         self.args = args
         self.data_buffer = data_buffer
-        n_per_prompt = int(getattr(args, "n_samples_per_prompt", 1) or 1)
-        self.max_groups = max(1, int(concurrency) // n_per_prompt)
+        settings = RolloutSettings.from_args(args)
+        self.max_groups = max(1, int(concurrency) // settings.n_samples_per_prompt)
         # Finished-but-unconsumed groups are bounded too: at most one step ahead of training.
-        self.max_buffered = max(self.max_groups, int(getattr(args, "rollout_batch_size", 1) or 1))
+        self.max_buffered = max(self.max_groups, settings.batch_size)
         self.error: BaseException | None = None
         self._completed: queue.Queue = queue.Queue()
         self._running = threading.Event()
@@ -155,8 +156,8 @@ def _get_worker(args: Any, data_buffer: Any) -> Any:
 
         worker = DistributedRollout(args, data_buffer)
     else:
-        engines = len(getattr(args, "rollout_engine_urls", None) or []) or 1
-        concurrency = int(getattr(args, "sglang_server_concurrency", None) or 64) * engines
+        settings = RolloutSettings.from_args(args)
+        concurrency = settings.concurrency * (len(settings.engine_urls) or 1)
         worker = AsyncRolloutWorker(args, data_buffer, concurrency=concurrency)
         worker.start()
     if hasattr(data_buffer, "register_consumer"):
@@ -168,10 +169,11 @@ def _get_worker(args: Any, data_buffer: Any) -> Any:
 
 async def _generate_rollout_async(args: Any, rollout_id: int, data_buffer: Any) -> RolloutFnTrainOutput:
     """Take finished groups from the background worker until the batch is full; kept groups go to the session."""
+    settings = RolloutSettings.from_args(args)
     worker = _get_worker(args, data_buffer)
     worker.resume()
     session = current_session(args)
-    target = int(args.rollout_batch_size)
+    target = settings.batch_size
     collected: list = []
     dropped: dict[str, int] = {}
     seen = 0
@@ -197,7 +199,7 @@ async def _generate_rollout_async(args: Any, rollout_id: int, data_buffer: Any) 
         metrics = {f"rollout/dynamic_filter/drop_{reason}": n for reason, n in dropped.items()}
         metrics["rollout/dynamic_filter/dropped_groups"] = count
         metrics["rollout/dynamic_filter/dropped_ratio"] = count / max(seen, 1)
-    if getattr(args, "rollout_sample_filter_path", None):
+    if settings.sample_filter_path:
         return finalize_rollout_groups(args, rollout_id, collected, metrics, session=session)
     return await asyncio.to_thread(finalize_rollout_groups, args, rollout_id, collected, metrics, session=session)
 

@@ -1,10 +1,12 @@
 """The default rollout function: an async HTTP client of SGLang-protocol engines (httpx, no SGLang import).
 
-Engines are reached at `args.rollout_router_url` when set, else round robin over `args.rollout_engine_urls`
-(the manager fills these in). Groups of `n_samples_per_prompt` samples are generated concurrently
-(`--sglang-server-concurrency` requests at a time), scored (`slime.rollout.rm_hub`), filtered
-(`--dynamic-sampling-filter-path`) and handed to the run's transport session *while generation continues*
-(`slime.interfaces.current_session`: the straw transport publishes each kept group durably right away).
+Everything it reads from `args` comes from one `slime.rollout.settings.RolloutSettings`, built once per
+`args` object. Engines are reached at `args.rollout_router_url` when set, else round robin over
+`args.rollout_engine_urls` (the manager fills these in). Groups of `n_samples_per_prompt` samples are
+generated concurrently (`--sglang-server-concurrency` requests at a time), scored (`slime.rollout.rm_hub`),
+filtered (`--dynamic-sampling-filter-path`) and handed to the run's transport session *while generation
+continues* (`slime.interfaces.current_session`: the straw transport publishes each kept group durably right
+away).
 
 A request that fails (connection refused or reset, timeout, HTTP 5xx, a malformed reply) is retried
 `--rollout-request-retries` times, each time on another engine when there is one; an engine that cannot be
@@ -25,28 +27,14 @@ from slime.interfaces import current_session, run_transport
 from slime.rollout import rm_hub
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, finalize_rollout_groups, iter_samples
 from slime.rollout.filter_hub.base_types import dynamic_filter_verdict
+from slime.rollout.settings import RolloutSettings
 from slime.utils.misc import load_function, plugin_name
 from slime.utils.types import Sample
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CONCURRENCY = 64
-DEFAULT_REQUEST_RETRIES = 3
 #: Seconds before the first retry of a failed request; doubled for each further retry, at most 2 s.
 RETRY_BACKOFF_S = 0.05
-
-
-def _engine_urls(args: Any) -> list[str]:
-    router = getattr(args, "rollout_router_url", None)
-    if router:
-        return [router]
-    urls = list(getattr(args, "rollout_engine_urls", None) or [])
-    if not urls:
-        raise RuntimeError(
-            "No rollout engine to send requests to: set args.rollout_engine_urls (the rollout manager does this "
-            "after starting the engines) or args.rollout_router_url"
-        )
-    return urls
 
 
 def _served_tokenizer_path(url: str) -> str | None:
@@ -65,23 +53,8 @@ def _served_tokenizer_path(url: str) -> str | None:
     return path if path and os.path.isdir(path) else None
 
 
-def sampling_params_from_args(args: Any, evaluation: bool = False) -> dict:
-    prefix = "eval_" if evaluation else "rollout_"
-
-    def pick(name: str, default: Any) -> Any:
-        value = getattr(args, prefix + name, None) if evaluation else None
-        return value if value is not None else (getattr(args, "rollout_" + name, None) or default)
-
-    return {
-        "temperature": pick("temperature", 1.0),
-        "top_p": pick("top_p", 1.0),
-        "top_k": pick("top_k", -1),
-        "max_new_tokens": pick("max_response_len", 64),
-    }
-
-
 class GenerateState:
-    """Per-process generation state: HTTP client, semaphore, sampling parameters and pending group tasks."""
+    """Per-process generation state: settings, HTTP client, semaphore, sampling parameters and pending group tasks."""
 
     _instance: GenerateState | None = None
 
@@ -93,20 +66,18 @@ class GenerateState:
         return cls._instance
 
     def _setup(self, args: Any, concurrency: int | None) -> None:
-        retries = getattr(args, "rollout_request_retries", None)
-        self.request_retries = DEFAULT_REQUEST_RETRIES if retries is None else int(retries)
-        if self.request_retries < 0:
-            raise ValueError(f"--rollout-request-retries must be 0 or more, got {self.request_retries}")
         self.args = args
+        self.settings = RolloutSettings.from_args(args)
+        self._urls = self.settings.engines()
         self.tokenizer = None
-        checkpoint = getattr(args, "hf_checkpoint", None) or _served_tokenizer_path(_engine_urls(args)[0])
+        # A router does not serve /model_info: ask an engine behind it.
+        checkpoint = self.settings.hf_checkpoint or _served_tokenizer_path((self.settings.engine_urls or self._urls)[0])
         if checkpoint:
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        self.concurrency = int(concurrency or getattr(args, "sglang_server_concurrency", None) or DEFAULT_CONCURRENCY)
-        self.sampling_params = sampling_params_from_args(args)
-        self._urls = _engine_urls(args)
+        self.concurrency = int(concurrency or self.settings.concurrency)
+        self.sampling_params = self.settings.sampling_params()
         self._turn = itertools.count()
         self._loop = None
         self.reset()
@@ -156,7 +127,7 @@ class GenerateState:
 
         self._bind()
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=getattr(self.args, "rollout_http_timeout", None) or 600)
+            self._client = httpx.AsyncClient(timeout=self.settings.http_timeout_s)
         return self._client
 
     def submit_generate_tasks(self, groups: list) -> None:
@@ -246,13 +217,13 @@ def _parse_reply(response: Any) -> _Reply:
 
 
 async def _post_generate(state: GenerateState, body: dict) -> _Reply:
-    """POST `/generate`, retrying failures on other engines up to `state.request_retries` times.
+    """POST `/generate`, retrying failures on other engines up to `--rollout-request-retries` times.
 
     HTTP 4xx is not retried: the request itself is at fault and every engine would refuse it.
     """
     import httpx
 
-    attempts = state.request_retries + 1
+    attempts = state.settings.request_retries + 1
     tried: list[str] = []
     last = ""
     for attempt in range(attempts):
@@ -281,14 +252,14 @@ async def _post_generate(state: GenerateState, body: dict) -> _Reply:
     engines = ", ".join(dict.fromkeys(tried))
     raise RuntimeError(
         f"Rollout engine {tried[0]}/generate failed {attempts} time(s) (engines tried: {engines}; "
-        f"--rollout-request-retries {state.request_retries}); last failure: {last}"
+        f"--rollout-request-retries {state.settings.request_retries}); last failure: {last}"
     )
 
 
 async def generate_and_rm(args: Any, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample:
     """Generate one sample (custom `--custom-generate-function-path` when set) and score it."""
     state = GenerateState(args)
-    path = sample.generate_function_path or getattr(args, "custom_generate_function_path", None)
+    path = sample.generate_function_path or state.settings.custom_generate_function_path
     async with state.semaphore:
         if state.aborted:
             sample.status = Sample.Status.ABORTED
@@ -322,7 +293,9 @@ async def abort(args: Any, rollout_id: int) -> list:
     state = GenerateState(args)
     state.aborted = True
     if state.pendings:
-        for url in state.reachable_urls():
+        # A router does not forward /abort_request: then abort on every engine behind it.
+        urls = state.settings.engine_urls if state.settings.router_url else state.reachable_urls()
+        for url in urls:
             try:
                 await state.http().post(f"{url}/abort_request", json={"abort_all": True})
             except Exception as exc:  # noqa: BLE001 - an engine that is gone has nothing left to abort
@@ -346,14 +319,14 @@ def _first_index(group: Any) -> int:
 
 async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -> tuple[RolloutFnTrainOutput, list]:
     """Generate until `rollout_batch_size` groups are kept; returns the output and the aborted groups."""
+    settings = RolloutSettings.from_args(args)
     state = GenerateState(args)
     session = current_session(args)
-    hook_path = getattr(args, "rollout_all_samples_process_path", None)
     data: list = []
     all_data: list = []
     dropped: dict[str, int] = {}
     try:
-        await _collect(args, rollout_id, data_source, state, data, all_data, dropped, session)
+        await _collect(args, settings, rollout_id, data_source, state, data, all_data, dropped, session)
     except BaseException:
         for task in state.pendings:
             task.cancel()
@@ -363,9 +336,10 @@ async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -
     aborted = await abort(args, rollout_id)
     state.reset()
     metrics = _filter_metrics(dropped, len(all_data))
-    if hook_path:
-        return await _run_all_samples_hook(args, rollout_id, data_source, data, all_data, metrics, session), aborted
-    if getattr(args, "rollout_sample_filter_path", None):
+    if settings.all_samples_process_path:
+        hook = _run_all_samples_hook(args, settings, rollout_id, data_source, data, all_data, metrics, session)
+        return await hook, aborted
+    if settings.sample_filter_path:
         output = finalize_rollout_groups(args, rollout_id, data, metrics, session=session)
     else:
         output = await asyncio.to_thread(finalize_rollout_groups, args, rollout_id, data, metrics, session=session)
@@ -374,6 +348,7 @@ async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -
 
 async def _collect(
     args: Any,
+    settings: RolloutSettings,
     rollout_id: int,
     data_source: Any,
     state: Any,
@@ -388,10 +363,10 @@ async def _collect(
     neither published nor discarded here (the hook's caller publishes the kept ones afterwards).
     """
     reader = getattr(data_source, "__self__", None)
-    target = int(args.rollout_batch_size)
-    over_sampling = int(getattr(args, "over_sampling_batch_size", None) or target)
-    n_per_prompt = int(getattr(args, "n_samples_per_prompt", 1) or 1)
-    hook_path = getattr(args, "rollout_all_samples_process_path", None)
+    target = settings.batch_size
+    over_sampling = settings.over_sampling_batch_size
+    n_per_prompt = settings.n_samples_per_prompt
+    hook_path = settings.all_samples_process_path
     while len(data) < target:
         while state.remaining_batch_size < target:
             if reader is not None and hasattr(reader, "get_samples_async"):
@@ -424,15 +399,22 @@ async def _collect(
 
 
 async def _run_all_samples_hook(
-    args: Any, rollout_id: int, data_source: Any, data: list, all_data: list, metrics: dict | None, session: Any
+    args: Any,
+    settings: RolloutSettings,
+    rollout_id: int,
+    data_source: Any,
+    data: list,
+    all_data: list,
+    metrics: dict | None,
+    session: Any,
 ) -> RolloutFnTrainOutput:
     """Legacy `--rollout-all-samples-process-path`: the hook sees every Sample in memory, then kept groups are
     published (the hook's mutations included)."""
     data.sort(key=_first_index)
     all_data.sort(key=_first_index)
-    if getattr(args, "rollout_sample_filter_path", None):
-        load_function(plugin_name("batch_filters", args.rollout_sample_filter_path, args))(args, data)
-    load_function(args.rollout_all_samples_process_path)(args, all_data, data_source)
+    if settings.sample_filter_path:
+        load_function(plugin_name("batch_filters", settings.sample_filter_path, args))(args, data)
+    load_function(settings.all_samples_process_path)(args, all_data, data_source)
     refs = [await session.publish_group(group, rollout_id) for group in data]
     reference = await asyncio.to_thread(session.publish_batch, refs, rollout_id)
     return RolloutFnTrainOutput(samples=reference, metrics=metrics)
@@ -451,7 +433,7 @@ def _filter_metrics(dropped: dict[str, int], total: int) -> dict | None:
 async def eval_rollout(args: Any, rollout_id: int, data_source: Any) -> RolloutFnEvalOutput:
     """Evaluate `data_source.eval_datasets` (`{name: list[Sample]}`) once each; rewards per dataset."""
     datasets = getattr(data_source, "eval_datasets", None) or {}
-    params = sampling_params_from_args(args, evaluation=True)
+    params = GenerateState(args).settings.sampling_params(evaluation=True)
     results = {}
     for name, samples in datasets.items():
         scored = await asyncio.gather(*(generate_and_rm(args, s, dict(params), True) for s in samples))

@@ -1,0 +1,63 @@
+"""The torch training backend's settings: everything a rank reads from the run's arguments, validated once.
+
+`TorchTrainRayActor.init(args, ...)` builds `TrainSettings.from_args(args)`; the backend, its optimizer
+(`slime.plugins.torch_optim.OptimizerSettings`) and its loss (`slime.plugins.torch_losses.LossSettings`)
+read only this object afterwards. Attributes `args` lacks take the flags' defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from slime.plugins.torch_losses import LossSettings
+from slime.plugins.torch_optim import OptimizerSettings
+from slime.utils.settings import check_options, option, options_from_args
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """One torch training rank's settings (see the flags of the same names in `slime-run --help`)."""
+
+    advantage_estimator: str = option("advantage_estimator", "grpo")
+    seed: int = option("seed", 1234, convert=int)
+    #: The model to train and the reference for `--kl-coef` (None: the built-in tiny model).
+    hf_checkpoint: str | None = option("hf_checkpoint")
+    load: str | None = option("load")
+    ckpt_step: int | None = option("ckpt_step", convert=int, minimum=0)
+    no_load_optim: bool = option("no_load_optim", False)
+    no_load_rng: bool = option("no_load_rng", False)
+    save: str | None = option("save")
+    no_save_optim: bool = option("no_save_optim", False)
+    no_save_rng: bool = option("no_save_rng", False)
+    micro_batch_size: int = option("micro_batch_size", 8, convert=int, minimum=1)
+    use_rollout_logprobs: bool = option("use_rollout_logprobs", False)
+    update_weight_transport: str = option("update_weight_transport", "disk")
+    update_weight_disk_dir: str | None = option("update_weight_disk_dir")
+    #: Set by the framework: the weight version the engines serve before this rank's first export.
+    update_weight_start_version: int = option("update_weight_start_version", 0, convert=int, minimum=0)
+    #: Set by the framework: the first rollout step of a run that loads no checkpoint (None: 0).
+    start_rollout_id: int | None = option("start_rollout_id", convert=int, minimum=0)
+    loss: LossSettings = field(default_factory=LossSettings)
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        if self.advantage_estimator != "grpo":
+            raise ValueError(
+                f"the torch backend supports --advantage-estimator grpo only, got {self.advantage_estimator!r}"
+            )
+        if self.update_weight_transport != "disk":
+            raise ValueError(
+                "the torch backend updates engine weights through disk only, not "
+                f"{self.update_weight_transport!r} (--update-weight-transport)"
+            )
+
+    @classmethod
+    def from_args(cls, args: Any) -> TrainSettings:
+        """The settings of `args`; ValueError naming the flag when one is out of range."""
+        return cls(
+            **options_from_args(cls, args),
+            loss=LossSettings.from_args(args),
+            optimizer=OptimizerSettings.from_args(args),
+        )
