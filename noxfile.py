@@ -4,12 +4,14 @@ Sessions reuse the torch already installed on the machine (venvs see system site
 session ever downloads a CUDA build of torch: install it first with `pip install torch==2.13.0`.
 
     nox                      lint + tests + e2e (the CI default)
-    nox -s "transport(straw)"  the transport conformance suite for one transport (object-store, nixl, straw)
+    nox -s "transport(straw)"  the transport conformance suite of one transport (object-store, nixl, straw)
     nox -s e2e               end-to-end CPU runs (slow)
     nox -s bench             benchmarks/: transport.py and e2e.py (JSON reports under benchmarks/results/)
 """
 
 from __future__ import annotations
+
+import xml.etree.ElementTree as ElementTree
 
 import nox
 
@@ -18,11 +20,19 @@ nox.options.reuse_existing_virtualenvs = True
 
 VENV = {"venv_backend": "venv", "venv_params": ["--system-site-packages"]}
 TRANSPORTS = ["object-store", "nixl", "straw"]
+#: A separately installable transport built on the plugin interface; the suite and the e2e sessions run its tests.
+CONTRIB_TRANSPORT = "contrib/slime-safetensors-transport"
 
 
-def _install(session: nox.Session) -> None:
+def _install(session: nox.Session, extras: str = "cpu,test") -> None:
     session.run("python", "-c", "import torch", silent=True)  # fails early with a clear message if torch is absent
-    session.install("-e", ".[cpu,test]")
+    session.install("-e", f".[{extras}]")
+
+
+def _install_suite(session: nox.Session) -> None:
+    """The project with the sglang-router extra (its tests run) and the contrib transport (its tests run)."""
+    _install(session, "cpu,test,router")
+    session.install("--no-deps", "-e", CONTRIB_TRANSPORT)
 
 
 @nox.session(**VENV)
@@ -34,30 +44,52 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(**VENV)
 def tests(session: nox.Session) -> None:
-    """The whole suite except GPU and end-to-end tests, acceptance spec included."""
-    _install(session)
-    session.run("pytest", "-m", "not gpu and not e2e", "--timeout=600", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+    """The whole suite except GPU and end-to-end tests, acceptance spec and contrib transport included."""
+    _install_suite(session)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-m",
+        "not gpu and not e2e",
+        "--timeout=600",
+        *session.posargs,
+        env={"HF_HUB_OFFLINE": "1"},
+    )
 
 
 @nox.session(name="transport", **VENV)
 @nox.parametrize("transport", TRANSPORTS, ids=TRANSPORTS)
 def transport_conformance(session: nox.Session, transport: str) -> None:
-    """The conformance suite every transport passes, for one transport."""
+    """slime.testing's conformance suite for one transport; fails when no test of it ran."""
     _install(session)
+    # Not under session.create_tmp(): it points TMPDIR there, and Ray's socket paths under it grow too long.
+    report = f"{session.virtualenv.location}/conformance-{transport}.xml"
     session.run(
+        "python",
+        "-m",
         "pytest",
         "tests/test_transport_conformance.py",
-        "-k",
-        transport,
+        f"--slime-transport={transport}",
+        f"--junitxml={report}",
+        "--timeout=600",
         *session.posargs,
-        env={"HF_HUB_OFFLINE": "1", "SLIME_TEST_TRANSPORT": transport},
+        env={"HF_HUB_OFFLINE": "1"},
+        success_codes=[0, 5],  # 5: no test collected; failing tests (1) end the session here
     )
+    suite = ElementTree.parse(report).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    skipped = int(suite.get("skipped", 0))
+    ran = int(suite.get("tests", 0)) - skipped
+    session.log(f"transport({transport}): {ran} conformance tests ran, {skipped} skipped")
+    if ran == 0:
+        session.error(f"transport({transport}): no conformance test ran (pytest selected none of its tests)")
 
 
 @nox.session(**VENV)
 def e2e(session: nox.Session) -> None:
-    _install(session)
-    session.run("pytest", "-m", "e2e", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+    _install_suite(session)
+    session.run("python", "-m", "pytest", "-m", "e2e", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
 
 
 @nox.session(**VENV)

@@ -47,6 +47,7 @@ __all__ = [
     "Transport",
     "TransportInterfaceError",
     "current_session",
+    "missing_methods",
     "rollout_session_scope",
     "run_transport",
 ]
@@ -97,10 +98,11 @@ class RolloutSession(abc.ABC):
 
 
 class ShardReference(abc.ABC):
-    """What a transport may put in a training rank's `Box` instead of the shard dict itself.
+    """What a transport may hand a training rank instead of the shard dict itself.
 
-    Trainers call `load()`; every rank of a step must name the same batch (`batch_id`, `plan_digest`) and
-    its own `rank`, which `process_rollout_data` checks before it loads anything.
+    It travels like a shard: `Box(ray.put(reference))` (trainers `ray.get` the box's object ref; the
+    reference must be small and picklable). Trainers call `load()`; every rank of a step must name the same
+    batch (`batch_id`, `plan_digest`) and its own `rank`, which `process_rollout_data` checks first.
     """
 
     batch_id: Any

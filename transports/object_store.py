@@ -78,18 +78,8 @@ class InMemoryTransport(Transport):
         return None
 
     def shard_batch(self, builder: Any, data: Any) -> list:
-        from slime.data.batch_builder import GLOBAL_FIELDS, PARTITIONED_FIELDS, take_rows
-        from slime.observability.rollout_data_utils import tensorize_rollout_data_for_training
-
         schedule = builder.dp_schedule(data)
-        boxes = []
-        for rank, partition in enumerate(schedule.partitions):
-            shard = {key: take_rows(data[key], partition) for key in PARTITIONED_FIELDS if data.get(key) is not None}
-            shard.update({key: data[key] for key in GLOBAL_FIELDS if data.get(key) is not None})
-            shard["total_lengths"] = list(schedule.total_lengths)
-            shard.update(schedule.for_rank(rank))
-            boxes.append(Box(self.put_shard(tensorize_rollout_data_for_training(shard))))
-        return boxes
+        return [Box(self.put_shard(schedule.rank_shard(data, rank))) for rank in range(len(schedule.partitions))]
 
     def save_state(self, builder: Any, rollout_id: int) -> None:
         """No transport state: the rollout manager saves the data source itself."""

@@ -52,6 +52,7 @@ PARTITIONED_FIELDS = (
     "source_names",
     "prompt",
     "teacher_log_probs",
+    "train_metadata",
 )
 #: Columns every rank receives whole.
 GLOBAL_FIELDS = ("raw_reward", "total_lengths")
@@ -152,6 +153,18 @@ class DpSchedule:
             "num_microbatches": self.num_microbatches,
             "micro_batch_indices": self.micro_batch_indices[rank],
         }
+
+    def rank_shard(self, data: dict, rank: int) -> dict:
+        """Rank `rank`'s training dict from the converted batch `data`, as trainers load it: its rows of the
+        per-sample columns, the global columns whole, its schedule, columns as tensors."""
+        from slime.observability.rollout_data_utils import tensorize_rollout_data_for_training
+
+        partition = self.partitions[rank]
+        shard = {key: take_rows(data[key], partition) for key in PARTITIONED_FIELDS if data.get(key) is not None}
+        shard.update({key: data[key] for key in GLOBAL_FIELDS if data.get(key) is not None})
+        shard["total_lengths"] = list(self.total_lengths)
+        shard.update(self.for_rank(rank))
+        return tensorize_rollout_data_for_training(shard)
 
 
 class BatchBuilder:
