@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,17 +22,10 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from slime.interfaces import ShardReference
+from slime.utils.atomic_files import fsync_path, write_atomically
 
 FORMAT = "slime-safetensors-shard"
 VERSION = 1
-
-
-def _fsync_directory(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def make_private_dirs(path: Path) -> Path:
@@ -50,23 +41,13 @@ def make_private_dirs(path: Path) -> Path:
             directory.mkdir(mode=0o700)
         except FileExistsError:
             continue
-        _fsync_directory(directory.parent)
+        fsync_path(directory.parent)
     return path
 
 
 def write_durably(path: Path, data: bytes) -> None:
-    """Write `data` to a temporary name beside `path`, fsync it, rename it to `path` and fsync the directory."""
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(temporary, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
+    """Write `data` to `path` durably before it becomes visible (temporary name, fsync, rename, directory fsync)."""
+    write_atomically(path, lambda handle: handle.write(data))
 
 
 def _encode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:

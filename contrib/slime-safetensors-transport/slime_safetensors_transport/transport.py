@@ -1,7 +1,8 @@
 """`SafetensorsTransport`: training shards as safetensors files on a shared directory, groups in memory.
 
-Built against `slime.interfaces.Transport` only. Rollout groups stay Python objects in the rollout manager
-(publishing hands them back, as with the object store); each training batch's per-rank shards are written under
+Built on the public plugin interfaces only: it extends `InMemoryTransport` (the object store's `Transport`:
+rollout groups stay Python objects in the rollout manager, no service, no state of its own) and replaces how
+training shards travel and where storage is checked. Each training batch's per-rank shards are written under
 `--safetensors-transport-dir` (default `<--save>/safetensors_batches`), and each rank's `Box` carries a small
 `SafetensorsShard` reference that the trainer loads itself. There is no queue: a restarted run starts its
 rollouts over from the data source's checkpointed cursor (the `plain` checkpoint policy), so the transport
@@ -16,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from slime.interfaces import OpenedSource, RolloutSession, Transport
+from slime.transports.object_store import InMemoryTransport
 from slime_safetensors_transport.shards import make_private_dirs, write_durably, write_shard
 
 #: Where batches go when `--safetensors-transport-dir` is not given, under `--save`.
@@ -37,46 +38,15 @@ def batch_directory(args: Any) -> Path:
     return Path(save).expanduser().resolve() / DEFAULT_SUBDIR
 
 
-def _groups_list(groups: Any) -> list:
-    if not isinstance(groups, (list, tuple)):
-        raise TypeError(f"Expected a list of rollout groups, got {type(groups).__name__}")
-    return list(groups)
-
-
 def _read_probe(path: str) -> str:
     """On one node: the probe file's content as that node's mount shows it."""
     return Path(path).read_text()
 
 
-class InMemoryGroups(RolloutSession):
-    """Groups stay in the rollout manager's memory: publishing hands them back, discarding forgets them."""
-
-    async def publish_group(self, group: list, rollout_id: Any) -> Any:
-        return group
-
-    def publish_group_now(self, group: list, rollout_id: Any) -> Any:
-        return group
-
-    def discard_group(self, group: Any, reason: str) -> None:
-        """Nothing was stored; the rollout's filter metrics record the reason."""
-
-    def load_groups(self, groups: Any) -> list:
-        return _groups_list(groups)
-
-    def publish_batch(self, groups: list, rollout_id: Any, *, dropped: list | None = None) -> Any:
-        return groups
-
-
-class SafetensorsTransport(Transport):
+class SafetensorsTransport(InMemoryTransport):
     """See the module docstring."""
 
     # ------------------------------------------------------------------------------------------ driver
-
-    def resolve_restore(self) -> tuple[Any, Any]:
-        """Nothing of the transport's is restored: the data source restores its own cursor."""
-        from slime.data.checkpoint import RestorePlan
-
-        return self.args, RestorePlan()
 
     def prepare_storage(self) -> None:
         """Settle the absolute batch directory in the run's arguments and create it owner-only."""
@@ -116,22 +86,6 @@ class SafetensorsTransport(Transport):
         if any(content != marker for content in seen):
             raise RuntimeError(f"{shared}: a node read other content from the probe file {probe}")
 
-    def open_data_source(self, source_cls: Any, *, restore_plan: Any, serving: Any, service: Any) -> OpenedSource:
-        return OpenedSource(source_cls(self.args))
-
-    def rollout_session(self, service: Any) -> RolloutSession:
-        return InMemoryGroups()
-
-    def adopt_generated(self, source: Any, produced: Any) -> None:
-        """Samples carry no transport bookkeeping."""
-
-    def accept_rollout(self, output: Any, rollout_id: int, *, service: Any) -> tuple[Any, dict | None, Any]:
-        return _groups_list(output.samples), output.metrics, None
-
-    def replay_archive(self, template: str, rollout_id: int, *, service: Any) -> tuple[list, Any] | None:
-        """This transport has no archive format of its own."""
-        return None
-
     def shard_batch(self, builder: Any, data: Any) -> list:
         """Write each rank's shard under `<dir>/<batch id>/` and give each rank a `SafetensorsShard` in its `Box`."""
         import ray
@@ -155,12 +109,3 @@ class SafetensorsTransport(Transport):
             reference = write_shard(directory, batch_id, plan_digest, rank, schedule.rank_shard(data, rank))
             boxes.append(Box(ray.put(reference)))
         return boxes
-
-    def save_state(self, builder: Any, rollout_id: int) -> None:
-        """No transport state: the rollout manager saves the data source itself."""
-
-    def load_state(self, builder: Any, rollout_id: int | None, source_restore: Any) -> None:
-        """No transport state to restore."""
-
-    def seal(self) -> None:
-        """Nothing is left open: every shard was durable before its reference was handed out."""
