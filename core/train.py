@@ -23,7 +23,7 @@ if __name__ == "__main__":
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -33,9 +33,13 @@ from slime.interfaces import run_transport
 from slime.observability.logging_utils import configure_logger, finish_tracking, init_tracking
 from slime.observability.phase_timer import PhaseTimer
 from slime.ray.placement_group import create_placement_groups, create_rollout_manager, create_training_models
+from slime.ray.settings import DriverSettings, InputSettings, check_run_settings
 from slime.utils.arguments import parse_args
 from slime.utils.hf_checkpoint import validate_hf_checkpoint_dir
 from slime.utils.misc import should_run_periodic_action
+
+if TYPE_CHECKING:
+    from slime.plugin_manager import PluginSelection
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +50,7 @@ PROMPT_FILE_SOURCES = frozenset({"prompts", "queue"})
 class _Observers:
     """Lifecycle hooks of the run's plugins (`slime_after_rollout`, ...); none without a plugin selection."""
 
-    def __init__(self, args: Any) -> None:
-        selection = getattr(args, "plugin_selection", None)
+    def __init__(self, selection: PluginSelection | None) -> None:
         if selection is None:
             self._hook = None
             return
@@ -68,31 +71,37 @@ def _train_metrics(results: Any) -> dict[str, Any]:
 
 
 def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int | None, restore_plan: Any) -> None:
-    """Run rollout steps `args.start_rollout_id .. args.num_rollout - 1`, then dispose the rollout manager."""
-    observers = _Observers(args)
+    """Run rollout steps `args.start_rollout_id .. args.num_rollout - 1`, then dispose the rollout manager.
+
+    `args` travels unchanged to the hooks, the training groups and the checkpoint; the loop reads its
+    `DriverSettings`, built once `create_training_models` has settled `args.start_rollout_id`.
+    """
     actor_model, critic_model = create_training_models(args, pgs, rollout_manager)
-    release_train = getattr(args, "release_train", False)
-    use_critic = getattr(args, "use_critic", False)
-    eval_interval = getattr(args, "eval_interval", None)
+    settings = DriverSettings.from_args(args)
+    num_rollout = settings.num_rollout
+    if num_rollout is None:
+        raise ValueError("train() needs --num-rollout (with --num-epoch, create_rollout_manager sets it)")
+    observers = _Observers(settings.plugin_selection)
+    eval_interval = settings.eval_interval
 
     actor_model.update_weights()
     ray.get(rollout_manager.training_ready.remote())
 
-    for rollout_id in range(args.start_rollout_id, args.num_rollout):
+    for rollout_id in range(settings.start_rollout_id, num_rollout):
         timer = PhaseTimer()
         step_started = time.perf_counter()
-        if eval_interval is not None and rollout_id == 0 and not getattr(args, "skip_eval_before_train", False):
+        if eval_interval is not None and rollout_id == 0 and not settings.skip_eval_before_train:
             ray.get(rollout_manager.eval.remote(rollout_id))
 
         rollout_data_ref = ray.get(rollout_manager.generate.remote(rollout_id))
         observers.call("slime_after_rollout", args=args, rollout_id=rollout_id, metrics={})
-        if release_train:
+        if settings.release_train:
             actor_model.create(rollout_manager)
             if critic_model is not None:
                 critic_model.create(rollout_manager)
 
-        actor_trains = not use_critic or rollout_id >= getattr(args, "num_critic_only_steps", 0)
-        value_refs = critic_model.async_train(rollout_id, rollout_data_ref) if use_critic else None
+        actor_trains = not settings.use_critic or rollout_id >= settings.num_critic_only_steps
+        value_refs = critic_model.async_train(rollout_id, rollout_data_ref) if settings.use_critic else None
         results = None
         with timer.phase("train"):
             if actor_trains:
@@ -103,8 +112,8 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
         ray.get(rollout_manager.training_completed.remote(rollout_id))
         observers.call("slime_after_train_step", args=args, rollout_id=rollout_id, metrics=_train_metrics(results))
 
-        if release_train or should_run_periodic_action(
-            rollout_id, getattr(args, "save_interval", None), num_rollout_per_epoch, args.num_rollout
+        if settings.release_train or should_run_periodic_action(
+            rollout_id, settings.save_interval, num_rollout_per_epoch, num_rollout
         ):
             with timer.phase("save"):
                 save_checkpoint(
@@ -116,12 +125,12 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
                     actor_trains=actor_trains,
                     restore_plan=restore_plan,
                 )
-            observers.call("slime_checkpoint_committed", args=args, rollout_id=rollout_id, path=str(args.save))
+            observers.call("slime_checkpoint_committed", args=args, rollout_id=rollout_id, path=str(settings.save))
 
         was_paused = ray.get(rollout_manager.pause_rollout_admission.remote())
         with timer.phase("update_weights"):
             actor_model.update_weights()
-        if was_paused and rollout_id + 1 < args.num_rollout:
+        if was_paused and rollout_id + 1 < num_rollout:
             ray.get(rollout_manager.resume_rollout_admission.remote())
 
         if should_run_periodic_action(rollout_id, eval_interval, num_rollout_per_epoch):
@@ -138,10 +147,11 @@ def check_run_inputs(args: Any) -> None:
     Runs after `slime_run_start` (which may build them). The prompt file is checked only for the built-in
     data sources, the ones that read it as JSONL/Parquet rows.
     """
-    if getattr(args, "hf_checkpoint", None):
-        validate_hf_checkpoint_dir(args.hf_checkpoint)
-    if getattr(args, "prompt_data", None) and getattr(args, "data_source_path", None) in PROMPT_FILE_SOURCES:
-        read_prompt_records(args.prompt_data, required_keys=prompt_record_keys(args))
+    inputs = InputSettings.from_args(args)
+    if inputs.hf_checkpoint:
+        validate_hf_checkpoint_dir(inputs.hf_checkpoint)
+    if inputs.prompt_data and inputs.data_source in PROMPT_FILE_SOURCES:
+        read_prompt_records(inputs.prompt_data, required_keys=prompt_record_keys(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,8 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, restore_plan = parse_args(argv, return_restore_plan=True)
     # Settle storage paths once here, so checkpoints record them and every actor sees the same ones.
     run_transport(args).prepare_storage()
-    _Observers(args).call("slime_run_start", args=args)
+    _Observers(args.plugin_selection).call("slime_run_start", args=args)
     check_run_inputs(args)
+    check_run_settings(args)
     if not ray.is_initialized():
         ray.init()
     init_tracking(args)

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import ray
 
 from slime.backend_interfaces import weight_dir
+from slime.ray.settings import TrainGroupSettings
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class RayTrainGroup:
         actor_cls: Any = None,
     ) -> None:
         self.args = args
+        self.settings = TrainGroupSettings.from_args(args)
         self.role = role
         self.with_ref = with_ref
         self.with_opd_teacher = with_opd_teacher
@@ -70,7 +72,7 @@ class RayTrainGroup:
         self._num_gpus_per_actor = num_gpus_per_actor
         self._actor_cls = actor_cls
         self._rollout_manager: Any = None
-        self._disk_weight_version = int(getattr(args, "update_weight_start_version", 0) or 0)
+        self._disk_weight_version = self.settings.update_weight_start_version
         self._actor_handlers: list[Any] = []
 
     @property
@@ -174,28 +176,24 @@ class RayTrainGroup:
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
         """Save every rank's part of step `rollout_id`; returns once all of them have."""
         ray.get([actor.save_model.remote(rollout_id, force_sync=force_sync) for actor in self._actor_handlers])
-        if getattr(self.args, "release_train", False):
+        if self.settings.release_train:
             # The next `create` must resume from exactly what was just saved.
-            self.args.load = self.args.save
+            self.args.load = self.settings.save
             self.args.ckpt_step = None
-            self.args.no_load_optim = getattr(self.args, "no_save_optim", False)
+            self.args.no_load_optim = self.settings.no_save_optim
             self.args.no_load_rng = False
 
     # ------------------------------------------------------------ weight update
 
     def _uses_disk_weights(self) -> bool:
-        return (
-            self.role == "actor"
-            and getattr(self.args, "update_weight_mode", "full") == "full"
-            and getattr(self.args, "update_weight_transport", None) == "disk"
-        )
+        return self.role == "actor" and self.settings.disk_weights
 
     def update_weights(self) -> None:
         """Push the current weights to the rollout engines."""
         if not self._uses_disk_weights():
             ray.get([actor.update_weights.remote() for actor in self._actor_handlers])
             return
-        disk_dir = getattr(self.args, "update_weight_disk_dir", None)
+        disk_dir = self.settings.update_weight_disk_dir
         if not disk_dir:
             raise ValueError(
                 "--update-weight-transport disk needs --update-weight-disk-dir (a directory trainers and engines share)"
@@ -204,7 +202,7 @@ class RayTrainGroup:
         directory = weight_dir(disk_dir, version)
         ray.get([actor.update_weights.remote() for actor in self._actor_handlers])
         self._disk_weight_version = version
-        if getattr(self.args, "release_train", False):
+        if self.settings.release_train:
             self.release()
         self._reload_rollout_weights_from_disk(directory, str(version))
 
@@ -215,7 +213,7 @@ class RayTrainGroup:
                 "disk weight updates need the rollout manager: create the group with create(rollout_manager)"
             )
         ray.get(self._rollout_manager.update_weights_from_disk.remote(str(directory), version))
-        if not getattr(self.args, "update_weight_disk_keep_files", False):
+        if not self.settings.update_weight_disk_keep_files:
             shutil.rmtree(directory)
 
 

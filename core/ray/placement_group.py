@@ -15,15 +15,12 @@ import ray
 
 from slime.backend_interfaces import check_run_backends
 from slime.ray.actor_group import Placement, RayTrainGroup
+from slime.ray.settings import ClusterSettings, DriverSettings
 
 logger = logging.getLogger(__name__)
 
 #: Seconds to wait for the cluster to grant a placement group before reporting what is missing.
 PLACEMENT_TIMEOUT_S = 300.0
-
-
-def _num_ranks(args: Any, role: str) -> int:
-    return int(getattr(args, f"{role}_num_nodes", 1) or 1) * int(getattr(args, f"{role}_num_gpus_per_node", 1) or 1)
 
 
 def create_placement_groups(args: Any) -> dict[str, Placement]:
@@ -36,16 +33,16 @@ def create_placement_groups(args: Any) -> dict[str, Placement]:
     from ray.util.placement_group import placement_group
 
     check_run_backends(args)
+    settings = ClusterSettings.from_args(args)
     resources = ray.cluster_resources()
     use_gpu = resources.get("GPU", 0) > 0
-    actor_ranks = _num_ranks(args, "actor")
-    critic_ranks = _num_ranks(args, "critic") if getattr(args, "use_critic", False) else 0
-    train_ranks = actor_ranks + critic_ranks
+    actor_ranks = settings.actor_ranks
+    train_ranks = actor_ranks + settings.critic_ranks
     if use_gpu:
         bundles = [{"GPU": 1, "CPU": 1} for _ in range(train_ranks)]
         gpus, cpus = 1.0, 1.0
     else:
-        cpus = float(getattr(args, "train_num_cpus_per_rank", 1) or 1)
+        cpus = settings.train_num_cpus_per_rank
         available = resources.get("CPU", 0)
         if train_ranks * cpus > available:
             raise ValueError(
@@ -80,16 +77,15 @@ def create_rollout_manager(args: Any, pg: Placement | None, restore_plan: Any = 
     """
     from slime.ray.rollout import RolloutManager
 
+    driver = DriverSettings.from_args(args)
     manager = RolloutManager.options(num_cpus=0, num_gpus=0).remote(args, pg, restore_plan=restore_plan)
     num_rollout_per_epoch = None
-    if getattr(args, "num_rollout", None) is None:
-        num_epoch = getattr(args, "num_epoch", None)
-        if num_epoch is None:
-            raise ValueError("set --num-rollout (rollout steps) or --num-epoch (passes over --prompt-data)")
+    if driver.num_rollout is None and driver.num_epoch is not None:
         num_rollout_per_epoch = int(ray.get(manager.get_num_rollout_per_epoch.remote()))
-        args.num_rollout = num_rollout_per_epoch * int(num_epoch)
+        num_rollout = num_rollout_per_epoch * driver.num_epoch
+        args.num_rollout = num_rollout
         logger.info(
-            "%d epochs x %d rollouts per epoch = %d rollouts", num_epoch, num_rollout_per_epoch, args.num_rollout
+            "%d epochs x %d rollouts per epoch = %d rollouts", driver.num_epoch, num_rollout_per_epoch, num_rollout
         )
     return manager, num_rollout_per_epoch
 
@@ -103,22 +99,22 @@ def create_training_models(
     must agree. When resuming (start > 0) the rollout manager restores its data source and batch builder
     to the state saved with step `start - 1`.
     """
-    with_ref = bool(getattr(args, "kl_coef", 0.0))
+    settings = ClusterSettings.from_args(args)
     actor = RayTrainGroup(
         args,
-        int(getattr(args, "actor_num_nodes", 1) or 1),
-        int(getattr(args, "actor_num_gpus_per_node", 1) or 1),
+        settings.actor_num_nodes,
+        settings.actor_num_gpus_per_node,
         pg=pgs["actor"],
         num_gpus_per_actor=pgs["actor"].num_gpus_per_bundle,
         role="actor",
-        with_ref=with_ref,
+        with_ref=settings.with_ref,
     )
     critic = None
-    if getattr(args, "use_critic", False):
+    if settings.use_critic:
         critic = RayTrainGroup(
             args,
-            int(getattr(args, "critic_num_nodes", 1) or 1),
-            int(getattr(args, "critic_num_gpus_per_node", 1) or 1),
+            settings.critic_num_nodes,
+            settings.critic_num_gpus_per_node,
             pg=pgs["critic"],
             num_gpus_per_actor=pgs["critic"].num_gpus_per_bundle,
             role="critic",
@@ -129,13 +125,14 @@ def create_training_models(
         start_ids += list(critic.create(rollout_manager) or [])
     if len(set(start_ids)) != 1:
         raise RuntimeError(f"training ranks resume from different rollout ids {sorted(set(start_ids))}; check --load")
-    if getattr(args, "start_rollout_id", None) is None:
-        args.start_rollout_id = start_ids[0]
-    elif args.start_rollout_id != start_ids[0]:
+    start = start_ids[0]
+    if settings.start_rollout_id is None:
+        args.start_rollout_id = start
+    elif settings.start_rollout_id != start:
         raise ValueError(
-            f"The run starts at step {args.start_rollout_id} but the trainers loaded a checkpoint whose next step "
-            f"is {start_ids[0]}; check --load and --ckpt-step"
+            f"The run starts at step {settings.start_rollout_id} but the trainers loaded a checkpoint whose next step "
+            f"is {start}; check --load and --ckpt-step"
         )
-    if args.start_rollout_id > 0:
-        ray.get(rollout_manager.load.remote(args.start_rollout_id - 1))
+    if start > 0:
+        ray.get(rollout_manager.load.remote(start - 1))
     return actor, critic

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from functools import cached_property
 from typing import Any
 
 import ray
@@ -29,13 +30,11 @@ from slime.observability.rollout_data_utils import (
 from slime.ray.health_monitor import start_health_monitors
 from slime.ray.lock import Lock
 from slime.ray.serving import live_urls
+from slime.ray.settings import ManagerSettings
 from slime.rollout.base_types import call_rollout_fn, iter_samples
 from slime.utils.misc import load_function, plugin_name
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_DATA_SOURCE = "prompts"
-DEFAULT_ROLLOUT_FUNCTION = "sglang"
 
 
 def check_rollout_storage(args: Any) -> None:
@@ -49,11 +48,14 @@ class RolloutManager:
 
     #: The run's transport service (`OpenedSource.service`; None until opened, and for transports without one).
     controller: Any = None
+    #: The (engine URLs, router URL) last published into `self.args` (None: nothing published yet).
+    _published_engines: tuple[list[str], str | None] | None = None
 
     def __init__(
         self, args: Any, pg: Any, *, restore_plan: Any = None, serving: Any = None, deployment: Any = None
     ) -> None:
         configure_logger()
+        self.settings = ManagerSettings.from_args(args)
         self.serving = serving
         self.pg = pg
         self.args = args
@@ -61,12 +63,12 @@ class RolloutManager:
         self.controller = deployment.controller if deployment is not None else None
         self._owns_controller = False
         self._launched_servers = False
-        self.weight_version = int(getattr(args, "update_weight_start_version", 0) or 0)
+        self.weight_version = self.settings.update_weight_start_version
         self.rollout_id = -1
         self.train_actors: dict[str, list] = {}
         check_rollout_storage(args)
 
-        if getattr(args, "debug_train_only", False):
+        if self.settings.debug_train_only:
             self.servers: dict = {}
         elif deployment is not None:
             self.servers = deployment.servers
@@ -90,18 +92,22 @@ class RolloutManager:
             # A lock needs no CPU slot of its own (training ranks would wait for it on small machines).
             self.rollout_engine_lock = Lock.options(num_cpus=0, num_gpus=0).remote()
 
+    @cached_property
+    def settings(self) -> ManagerSettings:
+        """This manager's settings: built by the constructor (a manager made without it builds them from
+        `self.args` on first use)."""
+        return ManagerSettings.from_args(self.args)
+
     @property
     def transport(self) -> Transport:
         """The run's transport (cheap to build; state lives in its storage and service)."""
         return run_transport(self.args)
 
     def _init_components(self, restore_plan: Any) -> None:
-        args = self.args
+        args, settings = self.args, self.settings
         self.data_source = self._create_data_source(restore_plan)
-        rollout_function = getattr(args, "rollout_function_path", None) or DEFAULT_ROLLOUT_FUNCTION
-        self.generate_rollout = load_function(plugin_name("rollout_functions", rollout_function, args))
-        eval_function = getattr(args, "eval_function_path", None) or rollout_function
-        self.eval_generate_rollout = load_function(plugin_name("rollout_functions", eval_function, args))
+        self.generate_rollout = load_function(plugin_name("rollout_functions", settings.rollout_function, args))
+        self.eval_generate_rollout = load_function(plugin_name("rollout_functions", settings.eval_function, args))
         from slime.data.batch_builder import BatchBuilder
 
         self.batch_builder = BatchBuilder(args, controller=self.controller)
@@ -119,9 +125,7 @@ class RolloutManager:
 
     def _create_data_source(self, restore_plan: Any) -> Any:
         """The data source, bound by the transport to its service (created here unless one is borrowed)."""
-        args = self.args
-        source_name = getattr(args, "data_source_path", None) or DEFAULT_DATA_SOURCE
-        source_cls = load_function(plugin_name("data_sources", source_name, args))
+        source_cls = load_function(plugin_name("data_sources", self.settings.data_source, self.args))
         opened = self.transport.open_data_source(
             source_cls, restore_plan=restore_plan, serving=self.serving, service=self.controller
         )
@@ -184,7 +188,7 @@ class RolloutManager:
 
     def eval(self, rollout_id: int) -> None:
         args = self.args
-        if getattr(args, "debug_train_only", False):
+        if self.settings.debug_train_only:
             return
         self.rollout_id = rollout_id
         self.health_monitoring_resume()
@@ -192,7 +196,7 @@ class RolloutManager:
             result = call_rollout_fn(self.eval_generate_rollout, args, rollout_id, self.data_source, evaluation=True)
         self._finish_rollout()
         save_debug_rollout_data(
-            getattr(args, "save_debug_rollout_data", None), result.data, rollout_id=rollout_id, evaluation=True
+            self.settings.save_debug_rollout_data, result.data, rollout_id=rollout_id, evaluation=True
         )
         log_eval_rollout_data(rollout_id, args, result.data, result.metrics)
 
@@ -203,7 +207,7 @@ class RolloutManager:
         timer = PhaseTimer()
         data, metrics = self._get_rollout_data(rollout_id, timer)
         save_debug_rollout_data(
-            getattr(args, "save_debug_rollout_data", None),
+            self.settings.save_debug_rollout_data,
             data,
             rollout_id=rollout_id,
             evaluation=False,
@@ -211,7 +215,7 @@ class RolloutManager:
             reference=self.batch_builder.raw_ref,
         )
         result = None
-        if not getattr(args, "debug_rollout_only", False):
+        if not self.settings.debug_rollout_only:
             result = self._build_batch(data, timer)
         log_rollout_data(rollout_id, args, data, {**(metrics or {}), **timer.metrics()}, time.time() - start_time)
         return result
@@ -219,7 +223,7 @@ class RolloutManager:
     def _build_batch(self, data: list, timer: PhaseTimer) -> Any:
         """Per-rank training references of this step's batch (a replayed step reuses its stored batch)."""
         with timer.phase("convert"):
-            cached = self.batch_builder.begin(data, replay=bool(getattr(self.args, "load_debug_rollout_data", None)))
+            cached = self.batch_builder.begin(data, replay=bool(self.settings.load_debug_rollout_data))
             if cached is not None:
                 return cached
             converted = self.batch_builder.convert(data)
@@ -229,9 +233,9 @@ class RolloutManager:
     def _get_rollout_data(self, rollout_id: int, timer: PhaseTimer | None = None) -> tuple[list, dict | None]:
         """This step's Samples (flat list) and the rollout function's metrics; phase times go to `timer`."""
         timer = timer or PhaseTimer()
-        args = self.args
+        args, settings = self.args, self.settings
         transport = self.transport
-        template = getattr(args, "load_debug_rollout_data", None)
+        template = settings.load_debug_rollout_data
         if template:
             with timer.phase("store"):
                 replayed = transport.replay_archive(template, rollout_id, service=self.controller)
@@ -241,7 +245,7 @@ class RolloutManager:
                 data = load_debug_rollout_data(
                     template,
                     rollout_id=rollout_id,
-                    subsample_ratio=getattr(args, "load_debug_rollout_data_subsample", None),
+                    subsample_ratio=settings.load_debug_rollout_data_subsample,
                 )
             self.batch_builder.raw_ref = None
             return self._flatten(validate_rollout_id_annotated(data)), None
@@ -299,14 +303,11 @@ class RolloutManager:
         one, in `args.rollout_router_url` (on a copy: the caller's args stay as they are)."""
         urls = self.engine_urls()
         router = next((server.router.url for server in self.servers.values() if server.router is not None), None)
-        current = (
-            list(getattr(self.args, "rollout_engine_urls", None) or []),
-            getattr(self.args, "rollout_router_url", None),
-        )
-        if (urls or router) and current != (urls, router):
+        if (urls or router) and self._published_engines != (urls, router):
             self.args = copy.copy(self.args)
             self.args.rollout_engine_urls = urls
             self.args.rollout_router_url = router
+            self._published_engines = (urls, router)
 
     def engine_urls(self) -> list[str]:
         """The live engines' URLs (engines marked dead are left out until they are relaunched)."""
@@ -316,7 +317,7 @@ class RolloutManager:
         import httpx
 
         results = []
-        with httpx.Client(timeout=getattr(self.args, "rollout_http_timeout", 600) or 600) as client:
+        with httpx.Client(timeout=self.settings.http_timeout_s) as client:
             for url in self.engine_urls():
                 response = client.post(f"{url}/{endpoint}", json=payload)
                 if response.status_code != 200:
@@ -369,10 +370,9 @@ class RolloutManager:
 
     def get_num_rollout_per_epoch(self) -> int:
         size = len(getattr(self.data_source, "dataset", None) or [])
-        batch = int(getattr(self.args, "rollout_batch_size", 1) or 1)
         if size == 0:
             raise ValueError("--num-epoch needs a data source with a known dataset size (use --num-rollout)")
-        return max(1, size // batch)
+        return max(1, size // self.settings.batch_size)
 
     # --------------------------------------------------------------- checkpoints
 

@@ -19,7 +19,8 @@ from typing import Any
 import ray
 
 from slime.backend_interfaces import check_launched_engines
-from slime.ray.router import ROUTER_CHOICES, SGLangRouter
+from slime.ray.router import SGLangRouter
+from slime.ray.settings import ServingSettings
 
 logger = logging.getLogger(__name__)
 
@@ -182,15 +183,10 @@ def launch_rollout_servers(args: Any) -> dict[str, RolloutServer]:
     """
     from slime.backend_interfaces import resolve_engine_launcher
 
-    name = getattr(args, "rollout_engine", None) or "cpu"
-    router = getattr(args, "rollout_router", None) or "none"
-    if router not in ROUTER_CHOICES:
-        raise ValueError(f"--rollout-router must be one of {', '.join(ROUTER_CHOICES)}, got {router!r}")
-    num_engines = int(getattr(args, "rollout_num_engines", 1) or 1)
-    server = RolloutServer.launch(args, resolve_engine_launcher(args), num_engines, name)
-    if router == "sglang-router":
-        save = getattr(args, "save", None)
-        log_path = Path(save).expanduser() / "logs" / "sglang-router.log" if save else None
+    settings = ServingSettings.from_args(args)
+    server = RolloutServer.launch(args, resolve_engine_launcher(args), settings.num_engines, settings.engine)
+    if settings.router == "sglang-router":
+        log_path = Path(settings.save).expanduser() / "logs" / "sglang-router.log" if settings.save else None
         try:
             server.router = SGLangRouter(server.urls, log_path=log_path)
         except BaseException:

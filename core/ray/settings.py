@@ -1,0 +1,222 @@
+"""The orchestration's settings: what the driver, placement, serving, the rollout manager and the training
+groups read from the run's arguments, each built once and validated there.
+
+- `DriverSettings`: the training loop (`slime.train.train`) and the step count `create_rollout_manager` settles;
+- `ClusterSettings`: the training ranks' placement and creation (`slime.ray.placement_group`);
+- `ServingSettings`: the engines and router `launch_rollout_servers` starts (`slime.ray.serving`);
+- `ManagerSettings`: the rollout manager (`slime.ray.rollout.RolloutManager`);
+- `TrainGroupSettings`: one training role's group (`slime.ray.actor_group.RayTrainGroup`);
+- `InputSettings`: the model directory and prompt file `check_run_inputs` checks before Ray starts.
+
+Errors name the flag ("--save-interval must be >= 1, got 0"). Attributes `args` lacks, or holds as None, take the
+flags' defaults, so tools and tests may build these from a namespace holding only a few attributes. `args`
+itself still travels, unchanged, to what takes it (plugins, Ray actors, hooks, the transport).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from slime.ray.router import ROUTER_CHOICES
+from slime.utils.settings import check_options, option, options_from_args
+
+if TYPE_CHECKING:
+    from slime.plugin_manager import PluginSelection
+
+__all__ = [
+    "DEFAULT_DATA_SOURCE",
+    "DEFAULT_ROLLOUT_FUNCTION",
+    "ClusterSettings",
+    "DriverSettings",
+    "InputSettings",
+    "ManagerSettings",
+    "ServingSettings",
+    "TrainGroupSettings",
+    "check_run_settings",
+]
+
+#: The data source and rollout function of a run whose arguments name none (the parser's defaults).
+DEFAULT_DATA_SOURCE = "prompts"
+DEFAULT_ROLLOUT_FUNCTION = "sglang"
+
+
+@dataclass(frozen=True)
+class DriverSettings:
+    """The training loop's settings (see the flags of the same names in `slime-run --help`)."""
+
+    #: Rollout steps of the whole run (None with `--num-epoch` until `create_rollout_manager` sets it).
+    num_rollout: int | None = option("num_rollout", convert=int, minimum=1)
+    num_epoch: int | None = option("num_epoch", convert=int, minimum=1)
+    #: Set by the framework (checkpoint restore, `create_training_models`): the run's first step.
+    start_rollout_id: int = option("start_rollout_id", 0, convert=int, minimum=0)
+    save: str | None = option("save")
+    save_interval: int | None = option("save_interval", convert=int, minimum=1)
+    eval_interval: int | None = option("eval_interval", convert=int, minimum=1)
+    skip_eval_before_train: bool = option("skip_eval_before_train", False)
+    use_critic: bool = option("use_critic", False)
+    num_critic_only_steps: int = option("num_critic_only_steps", 0, convert=int, minimum=0)
+    release_train: bool = option("release_train", False)
+    #: Set by the framework: the run's plugins, whose lifecycle hooks the driver calls (None: no hooks).
+    plugin_selection: PluginSelection | None = option("plugin_selection")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        if self.num_rollout is None and self.num_epoch is None:
+            raise ValueError("--num-rollout must be given (or --num-epoch)")
+
+    @classmethod
+    def from_args(cls, args: Any) -> DriverSettings:
+        """The settings of `args`; ValueError naming the flag when one is missing or out of range."""
+        return cls(**options_from_args(cls, args))
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """How the training ranks are placed and created (see the flags of the same names in `slime-run --help`)."""
+
+    actor_num_nodes: int = option("actor_num_nodes", 1, convert=int, minimum=1)
+    #: Ranks per node (CPU processes on a cluster without GPUs).
+    actor_num_gpus_per_node: int = option("actor_num_gpus_per_node", 1, convert=int, minimum=1)
+    use_critic: bool = option("use_critic", False)
+    critic_num_nodes: int = option("critic_num_nodes", 1, convert=int, minimum=1)
+    critic_num_gpus_per_node: int = option("critic_num_gpus_per_node", 1, convert=int, minimum=1)
+    #: Ray CPUs per training rank on a cluster without GPUs.
+    train_num_cpus_per_rank: float = option("train_num_cpus_per_rank", 1.0, convert=float, above=0.0)
+    #: A non-zero KL coefficient gives the actor ranks a reference model.
+    kl_coef: float = option("kl_coef", 0.0, convert=float, minimum=0.0)
+    #: Set by checkpoint restore: the step the run must start at (None: the step after what the trainers load).
+    start_rollout_id: int | None = option("start_rollout_id", convert=int, minimum=0)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+    @classmethod
+    def from_args(cls, args: Any) -> ClusterSettings:
+        """The settings of `args`; ValueError naming the flag when one is out of range."""
+        return cls(**options_from_args(cls, args))
+
+    @property
+    def actor_ranks(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def critic_ranks(self) -> int:
+        """The critic's ranks; 0 without `--use-critic`."""
+        return self.critic_num_nodes * self.critic_num_gpus_per_node if self.use_critic else 0
+
+    @property
+    def with_ref(self) -> bool:
+        return self.kl_coef != 0.0
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """The engines and router a run starts (see the flags of the same names in `slime-run --help`)."""
+
+    #: The rollout-engine plugin's name.
+    engine: str = option("rollout_engine", "cpu")
+    router: str = option("rollout_router", "none", choices=ROUTER_CHOICES)
+    num_engines: int = option("rollout_num_engines", 2, convert=int, minimum=1)
+    #: The router's log goes to `<save>/logs/sglang-router.log` (a temporary file without `--save`).
+    save: str | None = option("save")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+    @classmethod
+    def from_args(cls, args: Any) -> ServingSettings:
+        """The settings of `args`; ValueError naming the flag when one is out of range."""
+        return cls(**options_from_args(cls, args))
+
+
+@dataclass(frozen=True)
+class ManagerSettings:
+    """The rollout manager's settings (see the flags of the same names in `slime-run --help`)."""
+
+    #: No engines and no generation: train on replayed rollouts (`--load-debug-rollout-data`).
+    debug_train_only: bool = option("debug_train_only", False)
+    #: Generate only: steps return no training batch.
+    debug_rollout_only: bool = option("debug_rollout_only", False)
+    #: Registered names or dotted paths.
+    data_source: str = option("data_source_path", DEFAULT_DATA_SOURCE)
+    rollout_function: str = option("rollout_function_path", DEFAULT_ROLLOUT_FUNCTION)
+    #: None in `args`: `rollout_function`.
+    eval_function: str = option("eval_function_path", DEFAULT_ROLLOUT_FUNCTION)
+    #: Prompts per rollout step (an epoch is the dataset size over this).
+    batch_size: int = option("rollout_batch_size", 8, convert=int, minimum=1)
+    #: Seconds a request to an engine may take (weight updates).
+    http_timeout_s: float = option("rollout_http_timeout", 600.0, convert=float, above=0.0)
+    #: Path templates (`{rollout_id}`) to dump every step's rollout to, and to replay steps from.
+    save_debug_rollout_data: str | None = option("save_debug_rollout_data")
+    load_debug_rollout_data: str | None = option("load_debug_rollout_data")
+    #: The fraction, in (0, 1], of each replayed rollout to keep (None: all).
+    load_debug_rollout_data_subsample: float | None = option(
+        "load_debug_rollout_data_subsample", convert=float, above=0.0
+    )
+    #: Set by the framework (checkpoint restore): the weight version the engines serve at the start.
+    update_weight_start_version: int = option("update_weight_start_version", 0, convert=int, minimum=0)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        subsample = self.load_debug_rollout_data_subsample
+        if subsample is not None and subsample > 1:
+            raise ValueError(f"--load-debug-rollout-data-subsample must be in (0, 1], got {subsample}")
+
+    @classmethod
+    def from_args(cls, args: Any) -> ManagerSettings:
+        """The settings of `args`; ValueError naming the flag when one is out of range."""
+        values = options_from_args(cls, args)
+        values.setdefault("eval_function", values.get("rollout_function", cls.rollout_function))
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class TrainGroupSettings:
+    """One training role's group: weight updates and `--release-train` (see `slime-run --help`)."""
+
+    #: Set by the framework (checkpoint restore, the rollout manager): the weight version engines serve.
+    update_weight_start_version: int = option("update_weight_start_version", 0, convert=int, minimum=0)
+    update_weight_mode: str = option("update_weight_mode", "full")
+    update_weight_transport: str = option("update_weight_transport", "disk")
+    update_weight_disk_dir: str | None = option("update_weight_disk_dir")
+    update_weight_disk_keep_files: bool = option("update_weight_disk_keep_files", False)
+    #: Kill the ranks after each weight export; they are re-created from the checkpoint saved every step.
+    release_train: bool = option("release_train", False)
+    save: str | None = option("save")
+    no_save_optim: bool = option("no_save_optim", False)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        if self.release_train and not self.save:
+            raise ValueError("--release-train needs --save (the ranks are re-created from the checkpoint saved there)")
+
+    @classmethod
+    def from_args(cls, args: Any) -> TrainGroupSettings:
+        """The settings of `args`; ValueError naming the flag when one is out of range."""
+        return cls(**options_from_args(cls, args))
+
+    @property
+    def disk_weights(self) -> bool:
+        """Full weights travel through `--update-weight-disk-dir` (the group counts their versions)."""
+        return self.update_weight_mode == "full" and self.update_weight_transport == "disk"
+
+
+@dataclass(frozen=True)
+class InputSettings:
+    """The files a run reads before Ray starts."""
+
+    hf_checkpoint: str | None = option("hf_checkpoint")
+    prompt_data: str | None = option("prompt_data")
+    data_source: str = option("data_source_path", DEFAULT_DATA_SOURCE)
+
+    @classmethod
+    def from_args(cls, args: Any) -> InputSettings:
+        return cls(**options_from_args(cls, args))
+
+
+def check_run_settings(args: Any) -> None:
+    """Build every orchestration settings class from `args`, so a bad flag is refused, naming it, before Ray
+    starts (rather than inside the actor that reads it)."""
+    for settings_class in (DriverSettings, ClusterSettings, ServingSettings, ManagerSettings, TrainGroupSettings):
+        settings_class.from_args(args)
