@@ -5,6 +5,8 @@ so it can be restored exactly; a run that does not train the actor, or a debug r
 commit and saves plainly. `plain` is the object-store behaviour: models and manager, no marker.
 After a joint commit the retention rule (`--keep-last-checkpoints`, `--keep-every-checkpoint`) prunes
 older commits of this branch, never one a branch, an archive or the current pointer still needs.
+Each policy reads one `CheckpointSettings` built from the arguments it is called with; `slime_configure`
+refuses bad checkpoint flags when the run's arguments are parsed.
 """
 
 from __future__ import annotations
@@ -20,27 +22,31 @@ import ray
 
 from slime import hookimpl
 from slime.data.checkpoint import TRACKER, RestorePlan, commit_checkpoint, committed_steps
+from slime.data.checkpoint_settings import CheckpointSettings
 from slime.specs import CheckpointPolicySpec
 
 logger = logging.getLogger(__name__)
 
-_DEBUG_FLAGS = ("debug_train_only", "debug_rollout_only")
-
-
-def _force_sync(args: Any, rollout_id: int, joint: bool) -> bool:
-    """Block on the save when the step must be durable now: a joint commit, released trainers, the last step."""
-    num_rollout = getattr(args, "num_rollout", None)
-    final = num_rollout is not None and rollout_id == num_rollout - 1
-    return bool(joint or getattr(args, "release_train", False) or final)
-
 
 def _save_components(
-    args: Any, rollout_id: int, actor: Any, critic: Any, manager: Any, *, actor_trains: bool, force_sync: bool
+    settings: CheckpointSettings,
+    rollout_id: int,
+    actor: Any,
+    critic: Any,
+    manager: Any,
+    *,
+    actor_trains: bool,
+    force_sync: bool = False,
 ) -> None:
-    """Actor, then critic, then rollout manager; any failure propagates and stops the later saves."""
+    """Actor, then critic, then rollout manager; any failure propagates and stops the later saves.
+
+    The saves block (`force_sync`) when the step must be durable now: a joint commit, released trainers
+    (`--release-train`), the last step.
+    """
+    force_sync = force_sync or settings.release_train or settings.is_last_step(rollout_id)
     if actor_trains:
         actor.save_model(rollout_id, force_sync=force_sync)
-    if getattr(args, "use_critic", False):
+    if settings.use_critic:
         critic.save_model(rollout_id, force_sync=force_sync)
     ray.get(manager.save.remote(rollout_id))
 
@@ -56,15 +62,7 @@ def plain_save(
     restore_plan: RestorePlan | None = None,
 ) -> None:
     """Save models and the rollout manager without a joint marker (an existing marker is left untouched)."""
-    _save_components(
-        args,
-        rollout_id,
-        actor,
-        critic,
-        manager,
-        actor_trains=actor_trains,
-        force_sync=_force_sync(args, rollout_id, False),
-    )
+    _save_components(CheckpointSettings.from_args(args), rollout_id, actor, critic, manager, actor_trains=actor_trains)
 
 
 def joint_save(
@@ -82,20 +80,21 @@ def joint_save(
     Debug runs own no live queue and save plainly. A step that trains only the critic commits nothing (the
     policy did not change), but its saves are still synchronous: the next joint commit builds on them.
     """
-    if any(getattr(args, flag, False) for flag in _DEBUG_FLAGS):
-        plain_save(args, rollout_id, actor, critic, manager, actor_trains=actor_trains, restore_plan=restore_plan)
+    settings = CheckpointSettings.from_args(args)
+    if settings.debug:
+        _save_components(settings, rollout_id, actor, critic, manager, actor_trains=actor_trains)
         return
     if not actor_trains:
-        _save_components(args, rollout_id, actor, critic, manager, actor_trains=False, force_sync=True)
+        _save_components(settings, rollout_id, actor, critic, manager, actor_trains=False, force_sync=True)
         return
-    marker = Path(args.save) / "rollout" / f"committed_{rollout_id}.json"
+    marker = Path(settings.save) / "rollout" / f"committed_{rollout_id}.json"
     if marker.exists():
         raise FileExistsError(f"Refusing to overwrite a committed straw checkpoint: {marker}")
-    _save_components(args, rollout_id, actor, critic, manager, actor_trains=True, force_sync=True)
-    model_args = [actor.args] + ([critic.args] if getattr(args, "use_critic", False) else [])
+    _save_components(settings, rollout_id, actor, critic, manager, actor_trains=True, force_sync=True)
+    model_args = [actor.args] + ([critic.args] if settings.use_critic else [])
     weight_version = ray.get(manager.get_weight_version.remote())
     commit_checkpoint(args, rollout_id, model_args=model_args, restore_plan=restore_plan, weight_version=weight_version)
-    prune_checkpoints(args, restore_plan=restore_plan)
+    _prune(settings, restore_plan)
 
 
 # ------------------------------------------------------------------------------------------ retention
@@ -147,17 +146,17 @@ def prune_checkpoints(args: Any, *, restore_plan: RestorePlan | None = None) -> 
     The marker goes first, so an interrupted prune leaves an uncommitted (never selected) step behind, not a
     marker over missing files.
     """
-    keep_last = getattr(args, "keep_last_checkpoints", None)
-    if keep_last is None:
+    return _prune(CheckpointSettings.from_args(args), restore_plan)
+
+
+def _prune(settings: CheckpointSettings, restore_plan: RestorePlan | None) -> list[int]:
+    if settings.keep_last is None:
         return []
-    directory = Path(args.save).resolve()
+    directory = Path(settings.save).resolve()
     logical = Path(restore_plan.root).resolve() if restore_plan is not None and restore_plan.root else directory
     steps = committed_steps(directory)
     kept = retained_steps(
-        steps,
-        keep_last=keep_last,
-        keep_every=getattr(args, "keep_every_checkpoint", None),
-        protected=_needed_steps(directory, logical),
+        steps, keep_last=settings.keep_last, keep_every=settings.keep_every, protected=_needed_steps(directory, logical)
     )
     deleted = [step for step in steps if step not in kept]
     for step in deleted:
@@ -170,6 +169,13 @@ def prune_checkpoints(args: Any, *, restore_plan: RestorePlan | None = None) -> 
                 shutil.rmtree(model)
         logger.info("Pruned checkpoint step %d of %s (retention rule)", step, directory)
     return deleted
+
+
+@hookimpl(trylast=True)
+def slime_configure(args: Any) -> None:
+    """Refuse bad checkpoint flags (`--keep-last-checkpoints 0`, ...) when the run's arguments are parsed; runs
+    last, after plugins that fill in checkpoint options."""
+    CheckpointSettings.from_args(args)
 
 
 @hookimpl

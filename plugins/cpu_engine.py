@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from slime import hookimpl
+from slime.plugins.cpu_engine_settings import ENGINE_STARTUP_TIMEOUT_S, CPUEngineSettings
 from slime.specs import RolloutEngineSpec
 
-ENGINE_STARTUP_TIMEOUT_S = 600.0
 ENGINE_HOST = "127.0.0.1"
 LOG_TAIL_LINES = 40
 LOG_TAIL_CHARS = 4000
@@ -173,28 +173,25 @@ class LaunchedEngines(list):
             self.temporary_log_dir = None
 
 
-def resolve_model_path(args: Any) -> str:
-    """`args.hf_checkpoint` (checked to be a complete model directory), or the built-in tiny model."""
-    checkpoint = getattr(args, "hf_checkpoint", None)
-    if checkpoint:
+def resolve_model_path(settings: CPUEngineSettings) -> str:
+    """`--hf-checkpoint` (checked to be a complete model directory), or the built-in tiny model."""
+    if settings.hf_checkpoint:
         from slime.utils.hf_checkpoint import validate_hf_checkpoint_dir
 
-        validate_hf_checkpoint_dir(checkpoint)
-        return str(checkpoint)
+        validate_hf_checkpoint_dir(settings.hf_checkpoint)
+        return str(settings.hf_checkpoint)
     from slime.plugins.tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model())
 
 
-def _engine_log_dir(args: Any) -> tuple[Path, bool]:
+def _engine_log_dir(settings: CPUEngineSettings) -> tuple[Path, bool]:
     """Where engine logs go: `--cpu-engine-log-dir`, `<save>/logs/cpu-engines`, else a temporary directory
     (the flag says whether it is temporary)."""
-    explicit = getattr(args, "cpu_engine_log_dir", None)
-    if explicit:
-        return Path(explicit).expanduser(), False
-    save = getattr(args, "save", None)
-    if save:
-        return Path(save).expanduser() / "logs" / "cpu-engines", False
+    if settings.log_dir:
+        return Path(settings.log_dir).expanduser(), False
+    if settings.save:
+        return Path(settings.save).expanduser() / "logs" / "cpu-engines", False
     return Path(tempfile.mkdtemp(prefix="slime-cpu-engines-")), True
 
 
@@ -269,37 +266,35 @@ def _await_engines(
 def launch_cpu_engines(args: Any, num_engines: int) -> LaunchedEngines:
     """Start `num_engines` CPU engine actors on Ray and return their URLs once every one answers HTTP.
 
-    Reads (all optional): `hf_checkpoint`, `rollout_seed` (engine i seeds its sampling with seed + i),
-    `cpu_engine_max_batch_size` (32), `cpu_engine_batch_wait_ms` (5), `cpu_engine_num_cpus` (Ray CPUs
-    reserved per engine, 0 so engines never starve training ranks of scheduling slots),
-    `cpu_engine_num_threads` (torch threads per engine, 1), `cpu_engine_startup_timeout` (seconds, 600)
-    and `cpu_engine_log_dir` (see `_engine_log_dir`). An engine that fails to load its model, dies or
-    does not come up in time raises `EngineStartError` with its address and the tail of its log; every
-    engine of the launch is then stopped.
+    Reads `CPUEngineSettings.from_args(args)`: the model (`--hf-checkpoint`, default the built-in tiny
+    model), `--rollout-seed` (engine i seeds its sampling with seed + i), the cpu engine options and
+    `--save` (see `_engine_log_dir`). An engine that fails to load its model, dies or does not come up in
+    time raises `EngineStartError` with its address and the tail of its log; every engine of the launch is
+    then stopped.
     """
     import ray
 
     if num_engines < 1:
         raise ValueError(f"launch_cpu_engines needs at least one engine, got num_engines={num_engines}")
-    model_path = resolve_model_path(args)
-    timeout = float(getattr(args, "cpu_engine_startup_timeout", None) or ENGINE_STARTUP_TIMEOUT_S)
-    log_dir, temporary = _engine_log_dir(args)
+    settings = CPUEngineSettings.from_args(args)
+    model_path = resolve_model_path(settings)
+    timeout = settings.startup_timeout_s
+    log_dir, temporary = _engine_log_dir(settings)
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     names = [f"CPU engine {index + 1}/{num_engines}" for index in range(num_engines)]
     actor_class = ray.remote(CPUEngineActor).options(
-        num_cpus=getattr(args, "cpu_engine_num_cpus", 0) or 0,
+        num_cpus=settings.num_cpus,
         max_concurrency=4,
     )
-    seed = int(getattr(args, "rollout_seed", 42) or 0)
     infos = [{"log_path": str(log_dir / f"engine-{stamp}-{index}.log")} for index in range(num_engines)]
     actors = [
         actor_class.remote(
             model_path,
             None,
-            seed=seed + index,
-            max_batch_size=int(getattr(args, "cpu_engine_max_batch_size", 32) or 32),
-            batch_wait_s=float(getattr(args, "cpu_engine_batch_wait_ms", 5) or 0) / 1000.0,
-            num_threads=int(getattr(args, "cpu_engine_num_threads", 1) or 1),
+            seed=settings.seed + index,
+            max_batch_size=settings.max_batch_size,
+            batch_wait_s=settings.batch_wait_ms / 1000.0,
+            num_threads=settings.num_threads,
             name=names[index],
             log_path=infos[index]["log_path"],
         )
@@ -331,6 +326,12 @@ def slime_rollout_engines() -> Iterable[RolloutEngineSpec]:
             "Hugging Face causal LM on CPU behind the SGLang HTTP protocol (default: the built-in tiny model)",
         )
     ]
+
+
+@hookimpl(trylast=True)
+def slime_configure(args: Any) -> None:
+    """Refuse bad cpu engine option values when the run's arguments are parsed, before any engine starts."""
+    CPUEngineSettings.from_args(args)
 
 
 @hookimpl

@@ -8,17 +8,21 @@ rerunning the same command finds them again and resumes from the last joint comm
 
 Only options the user did not give on the command line (`args.explicit_options`) are changed, and each
 one that is set is logged. A run that names a model or prompts is left untouched. The model and the
-prompts are built in `slime_run_start`, so parsing arguments alone never writes files.
+prompts are built in `slime_run_start`, so parsing arguments alone never writes files. What the demo reads
+from the run's arguments it reads through `DemoRunSettings` (and the batch shape through `RolloutSettings`).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slime import hookimpl
 from slime.plugins.demo_task import DEMO_TARGET_LENGTH
+from slime.rollout.settings import RolloutSettings
+from slime.utils.settings import option, options_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +34,26 @@ DEMO_GLOBAL_BATCH_SIZE = 16
 DEMO_OPTIMIZER = {"adam_beta2": 0.98, "lr_decay_style": "constant", "min_lr": 0.0}
 
 
-def is_demo_run(args: Any) -> bool:
-    """True when the run names neither a model (`--hf-checkpoint`) nor prompts (`--prompt-data`)."""
-    return getattr(args, "hf_checkpoint", None) is None and getattr(args, "prompt_data", None) is None
+@dataclass(frozen=True)
+class DemoRunSettings:
+    """What the demo reads from a run's arguments (see the flags of the same names in `slime-run --help`)."""
+
+    hf_checkpoint: str | None = option("hf_checkpoint")
+    prompt_data: str | None = option("prompt_data")
+    save: str | None = option("save")
+    #: Set by the framework: the destinations the user gave on the command line (the demo changes only the others).
+    explicit_options: frozenset[str] = option("explicit_options", frozenset(), convert=frozenset)
+    #: Set by this plugin's `slime_configure`: the run is the demo.
+    demo_run: bool = option("demo_run", False)
+
+    @classmethod
+    def from_args(cls, args: Any) -> DemoRunSettings:
+        return cls(**options_from_args(cls, args))
+
+    @property
+    def is_demo(self) -> bool:
+        """True when the run names neither a model (`--hf-checkpoint`) nor prompts (`--prompt-data`)."""
+        return self.hf_checkpoint is None and self.prompt_data is None
 
 
 def demo_settings(save_dir: Path) -> dict[str, Any]:
@@ -70,9 +91,9 @@ def demo_settings(save_dir: Path) -> dict[str, Any]:
     }
 
 
-def _set_default(args: Any, dest: str, value: Any) -> None:
-    """Set `args.<dest>` to `value` unless the user gave the option on the command line."""
-    if dest in getattr(args, "explicit_options", ()):
+def _set_default(args: Any, explicit: frozenset[str], dest: str, value: Any) -> None:
+    """Set `args.<dest>` to `value` unless the user gave the option on the command line (`explicit`)."""
+    if dest in explicit:
         return
     setattr(args, dest, value)
     logger.info("demo sets --%s=%s", dest.replace("_", "-"), value)
@@ -80,13 +101,17 @@ def _set_default(args: Any, dest: str, value: Any) -> None:
 
 def configure_demo(args: Any) -> None:
     """Turn a run without model and prompts into the demo (see the module docstring)."""
-    _set_default(args, "save", str(Path(DEFAULT_SAVE_DIR).resolve()))
-    args.save = str(Path(args.save).expanduser().resolve())
-    save_dir = Path(args.save)
+    settings = DemoRunSettings.from_args(args)
+    explicit = settings.explicit_options
+    save = settings.save if "save" in explicit else DEFAULT_SAVE_DIR
+    save_dir = Path(save).expanduser().resolve()
+    _set_default(args, explicit, "save", str(save_dir))
+    args.save = str(save_dir)  # A --save the user gave, made absolute.
     for dest, value in demo_settings(save_dir).items():
-        _set_default(args, dest, value)
-    samples_per_rollout = args.rollout_batch_size * args.n_samples_per_prompt
-    _set_default(args, "global_batch_size", min(DEMO_GLOBAL_BATCH_SIZE, samples_per_rollout))
+        _set_default(args, explicit, dest, value)
+    rollout = RolloutSettings.from_args(args)
+    samples_per_rollout = rollout.batch_size * rollout.n_samples_per_prompt
+    _set_default(args, explicit, "global_batch_size", min(DEMO_GLOBAL_BATCH_SIZE, samples_per_rollout))
     args.demo_run = True
 
 
@@ -95,9 +120,10 @@ def prepare_demo_files(args: Any) -> None:
     from slime.plugins.demo_task import DEMO_ROW_OPTIONS, write_demo_prompts
     from slime.plugins.tiny_model import ensure_tiny_model
 
-    model_dir = ensure_tiny_model(Path(args.hf_checkpoint))
+    settings = DemoRunSettings.from_args(args)
+    model_dir = ensure_tiny_model(Path(settings.hf_checkpoint))
     logger.info("demo model: %s", model_dir)
-    prompts = Path(args.prompt_data)
+    prompts = Path(settings.prompt_data)
     if not prompts.exists():
         write_demo_prompts(prompts, DEMO_PROMPT_COUNT, seed=DEMO_PROMPT_SEED, **DEMO_ROW_OPTIONS)
         logger.info("demo prompts written to %s", prompts)
@@ -105,11 +131,11 @@ def prepare_demo_files(args: Any) -> None:
 
 @hookimpl
 def slime_configure(args: Any) -> None:
-    if is_demo_run(args):
+    if DemoRunSettings.from_args(args).is_demo:
         configure_demo(args)
 
 
 @hookimpl
 def slime_run_start(args: Any) -> None:
-    if getattr(args, "demo_run", False):
+    if DemoRunSettings.from_args(args).demo_run:
         prepare_demo_files(args)

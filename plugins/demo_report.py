@@ -6,7 +6,8 @@ a resumed run saves into a new branch directory, and its lines must continue the
 adds the trainers' metrics, the driver's phase times (`perf/*`) and commits to that file, shows a tqdm bar
 over the run's steps (reward mean, step time, last commit), and at the last step draws
 `<save>/reward_curve.png` from every run's lines (a step trained again after a crash counts with its latest
-line) and prints where everything was written.
+line) and prints where everything was written. Each run's report reads one `ReportSettings`, built from the
+run's arguments when its first step reports.
 """
 
 from __future__ import annotations
@@ -14,15 +15,39 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slime import hookimpl
 from slime.observability.logging_utils import log_metrics, metrics_path
+from slime.utils.settings import check_options, option, options_from_args
 
 logger = logging.getLogger(__name__)
 
 REWARD_KEY = "rollout/reward"
+
+
+@dataclass(frozen=True)
+class ReportSettings:
+    """What the report shows and where it writes (see the flags of the same names in `slime-run --help`)."""
+
+    #: The run's last step is `num_rollout - 1` (the driver sets it from `--num-epoch` when not given).
+    num_rollout: int | None = option("num_rollout", convert=int)
+    #: Set by the framework: the first step of this run (a resumed run starts after its checkpoint).
+    start_rollout_id: int = option("start_rollout_id", 0, convert=int, minimum=0)
+    save: str | None = option("save")
+    metrics_dir: str | None = option("metrics_dir")
+    hf_checkpoint: str | None = option("hf_checkpoint")
+    rollout_data_dir: str | None = option("rollout_data_dir")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+    @classmethod
+    def from_args(cls, args: Any) -> ReportSettings:
+        """The settings of `args`; ValueError naming the flag when one is out of range."""
+        return cls(**options_from_args(cls, args))
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -74,11 +99,19 @@ class RunReport:
     def __init__(self, args: Any) -> None:
         from tqdm import tqdm
 
+        settings = self.settings = ReportSettings.from_args(args)
+        if settings.num_rollout is None:
+            raise ValueError("the run's report needs --num-rollout (or --num-epoch, from which the run sets it)")
+        self.num_rollout: int = settings.num_rollout
         self.args = args
         self.metrics_file = metrics_path(args)
-        start = getattr(args, "start_rollout_id", 0) or 0
         self.bar = tqdm(
-            total=args.num_rollout, initial=start, desc="rollout", unit="step", file=sys.stderr, dynamic_ncols=True
+            total=self.num_rollout,
+            initial=settings.start_rollout_id,
+            desc="rollout",
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
         )
         self.last_commit: tuple[int, str] | None = None
         self.postfix: dict[str, str] = {}
@@ -121,7 +154,7 @@ class RunReport:
             self.postfix["step_time"] = f"{metrics['perf/step_time']:.1f}s"
         self._show(refresh=False)
         self.bar.update(1)
-        if rollout_id + 1 >= self.args.num_rollout:
+        if rollout_id + 1 >= self.num_rollout:
             self.finish()
 
     def finish(self) -> None:
@@ -138,39 +171,39 @@ class RunReport:
                 curve = plot_reward_curve(rewards, self.metrics_file.parent / "reward_curve.png")
                 first, last = next(iter(rewards.values())), list(rewards.values())[-1]
                 lines.append(f"  reward curve: {curve}  (reward {first:.3f} -> {last:.3f})")
-        save = getattr(self.args, "save", None)
-        if save:
-            lines.append(f"  checkpoints:  {save}")
+        if self.settings.save:
+            lines.append(f"  checkpoints:  {self.settings.save}")
         if self.last_commit is not None:
             step = self.last_commit[0]
-            if step + 1 >= self.args.num_rollout:
+            if step + 1 >= self.num_rollout:
                 hint = "complete; rerun with a larger --num-rollout to continue"
             else:
                 hint = "rerun the same command to resume"
             lines.append(f"  last commit:  step {step}  ({hint})")
-        if getattr(self.args, "hf_checkpoint", None):
-            lines.append(f"  model:        {self.args.hf_checkpoint}")
-        if getattr(self.args, "rollout_data_dir", None):
-            lines.append(f"  rollout data: {self.args.rollout_data_dir}")
+        if self.settings.hf_checkpoint:
+            lines.append(f"  model:        {self.settings.hf_checkpoint}")
+        if self.settings.rollout_data_dir:
+            lines.append(f"  rollout data: {self.settings.rollout_data_dir}")
         print("\n".join(lines), flush=True)
 
 
-_reports: dict[str, RunReport] = {}
+#: The report of each run's arguments, by `id(args)` (the driver passes the same object to every hook).
+_reports: dict[int, RunReport] = {}
 
 
 @hookimpl(trylast=True)
 def slime_configure(args: Any) -> None:
     """Keep one metrics file per logical `--save`: a resumed run writes to a new branch directory, and its lines
     must continue the same reward log. Runs last, after plugins that choose `--save`."""
-    if getattr(args, "metrics_dir", None) is None and getattr(args, "save", None):
-        args.metrics_dir = str(Path(args.save).expanduser().resolve())
+    settings = ReportSettings.from_args(args)
+    if settings.metrics_dir is None and settings.save:
+        args.metrics_dir = str(Path(settings.save).expanduser().resolve())
 
 
 def _report(args: Any) -> RunReport:
-    key = str(getattr(args, "save", None))
-    report = _reports.get(key)
+    report = _reports.get(id(args))
     if report is None or report.finished or report.args is not args:
-        report = _reports[key] = RunReport(args)
+        report = _reports[id(args)] = RunReport(args)
     return report
 
 

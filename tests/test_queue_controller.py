@@ -217,7 +217,7 @@ def test_prompt_tasks_are_produced_once_and_handed_back(tmp_path, monkeypatch):
     from slime.data.transport import pack_rollout_group
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(3)))
+    prompts.write_text("".join(json.dumps({"input": f"p{i}"}) + "\n" for i in range(3)))
     args = SimpleNamespace(
         rollout_data_transport="straw",
         rollout_data_dir=str(tmp_path / "pool"),

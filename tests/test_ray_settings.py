@@ -143,3 +143,12 @@ def test_train_group_refuses_bad_settings_at_construction():
         RayTrainGroup(SimpleNamespace(release_train=True), 1, 1, pg=None)
     group = RayTrainGroup(SimpleNamespace(update_weight_start_version=4, save="/ckpt"), 1, 1, pg=None)
     assert group.settings.update_weight_start_version == 4 and group._disk_weight_version == 4
+
+
+def test_the_rollout_manager_class_pickles_for_ray():
+    """Ray ships the actor class by pickling it; a `functools.cached_property` (a lock on Python 3.11) broke that."""
+    from ray import cloudpickle
+
+    from slime.ray.rollout import RolloutManager
+
+    cloudpickle.dumps(RolloutManager.__ray_metadata__.modified_class)

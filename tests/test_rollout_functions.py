@@ -187,7 +187,7 @@ def test_nonzero_std_filter():
 
 
 def test_data_source_cursor_resumes_across_epochs(tmp_path):
-    rows = [{"prompt": f"p{i}", "label": i, "metadata": {"i": i}} for i in range(3)]
+    rows = [{"input": f"p{i}", "label": i, "metadata": {"i": i}} for i in range(3)]
     args = SimpleNamespace(
         prompt_data=_prompts(tmp_path, rows),
         label_key="label",
@@ -214,7 +214,7 @@ def test_data_source_cursor_resumes_across_epochs(tmp_path):
 
 
 def test_data_source_buffer_and_bad_input(tmp_path):
-    args = SimpleNamespace(prompt_data=_prompts(tmp_path, [{"prompt": "a"}, {"prompt": "b"}]), apply_chat_template=True)
+    args = SimpleNamespace(prompt_data=_prompts(tmp_path, [{"input": "a"}, {"input": "b"}]), apply_chat_template=True)
     source = RolloutDataSourceWithBuffer(args)
     group = source.get_samples(1)[0]
     assert group[0].prompt == [{"role": "user", "content": "a"}]
@@ -223,7 +223,7 @@ def test_data_source_buffer_and_bad_input(tmp_path):
     with pytest.raises(TypeError, match="list of groups"):
         source.add_samples([Sample()])
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "a"}\nnot json\n')
+    bad.write_text('{"input": "a"}\nnot json\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         RolloutDataSource(SimpleNamespace(prompt_data=str(bad)))
     with pytest.raises(KeyError, match="no 'question' field"):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from slime.data.checkpoint_settings import CheckpointSettings
 from slime.data.straw_settings import StrawSettings
 from slime.utils.atomic_files import fsync_path
 
@@ -26,22 +27,6 @@ logger = logging.getLogger(__name__)
 MARKER_VERSION = 1
 TRACKER = "latest_checkpointed_iteration.txt"
 _COMMITTED = re.compile(r"committed_(\d+)\.json")
-_INITIAL_KEYS = (
-    "hf_checkpoint",
-    "prompt_data",
-    "input_key",
-    "label_key",
-    "metadata_key",
-    "tool_key",
-    "apply_chat_template",
-    "n_samples_per_prompt",
-    "rollout_seed",
-    "rollout_shuffle",
-    "rollout_function_path",
-    "custom_generate_function_path",
-    "custom_rm_path",
-    "rollout_queue_run_id",
-)
 
 
 @dataclass(frozen=True)
@@ -89,9 +74,9 @@ def _describe(path: Path, *, hashed: bool) -> dict[str, Any]:
     return entry
 
 
-def _model_files(root: Path, config: Any, rollout_id: int) -> dict[str, dict[str, Any]]:
+def _model_files(root: Path, model: CheckpointSettings, rollout_id: int) -> dict[str, dict[str, Any]]:
     """fsync and describe one model's `iter_<id>` payload; it must be a real, non-empty dir inside the save root."""
-    model_dir = Path(config.save).resolve() / f"iter_{rollout_id:07d}"
+    model_dir = Path(model.save).resolve() / f"iter_{rollout_id:07d}"
     if not model_dir.is_relative_to(root):
         raise ValueError(f"Model checkpoint must be inside --save: {model_dir} is outside {root}")
     payloads: list[Path] = []
@@ -103,7 +88,7 @@ def _model_files(root: Path, config: Any, rollout_id: int) -> dict[str, dict[str
                 payloads.append(path)
     if not payloads:
         raise ValueError(f"Missing model checkpoint payloads: {model_dir} is missing or empty")
-    if getattr(config, "use_stateless_adam", False) and getattr(config, "no_save_optim", False):
+    if model.use_stateless_adam and model.no_save_optim:
         scheduler = model_dir / "opt_param_scheduler.pt"
         if not scheduler.is_file():
             raise ValueError(
@@ -121,11 +106,6 @@ def _model_files(root: Path, config: Any, rollout_id: int) -> dict[str, dict[str
     return files
 
 
-def _resumable(config: Any) -> bool:
-    omitted_optim = getattr(config, "no_save_optim", False) and not getattr(config, "use_stateless_adam", False)
-    return not getattr(config, "no_save_rng", False) and not omitted_optim
-
-
 def commit_checkpoint(
     args: Any,
     rollout_id: int,
@@ -139,15 +119,17 @@ def commit_checkpoint(
     The marker is the last durable artifact: model payloads and both rollout snapshots are fsynced first.
     With a restore plan, the logical save dir's tracker and then its `current.json` advance to this step.
     """
-    root = Path(args.save).resolve()
+    straw = StrawSettings.from_args(args)
+    root = Path(CheckpointSettings.from_args(args).save).resolve()
     marker = root / "rollout" / f"committed_{rollout_id}.json"
     if marker.exists():
         raise FileExistsError(f"Committed checkpoints are immutable: {marker} already exists")
     files: dict[str, dict[str, Any]] = {}
     resumable = True
     for config in model_args:
-        resumable &= _resumable(config)
-        files.update(_model_files(root, config, rollout_id))
+        model = CheckpointSettings.from_args(config)
+        resumable &= model.saves_resumable
+        files.update(_model_files(root, model, rollout_id))
     for name in ("queue_state", "builder_state"):
         path = root / "rollout" / f"{name}_{rollout_id}.json"
         if not path.is_file():
@@ -155,7 +137,6 @@ def commit_checkpoint(
         fsync_path(path)
         files[path.relative_to(root).as_posix()] = _describe(path, hashed=True)
     fsync_path(root / "rollout")
-    pool = getattr(args, "rollout_data_dir", None)
     write_report(
         marker,
         {
@@ -164,8 +145,8 @@ def commit_checkpoint(
             "files": files,
             "resumable": resumable,
             "weight_version": weight_version if weight_version is not None else rollout_id + 1,
-            "rollout_data_dir": str(Path(pool).resolve()) if pool else None,
-            "run_id": StrawSettings.from_args(args).run_id,
+            "rollout_data_dir": str(Path(straw.pool).resolve()) if straw.pool else None,
+            "run_id": straw.run_id,
         },
     )
     if restore_plan is not None and restore_plan.root:
@@ -237,11 +218,6 @@ def _read_empty_checkpoint(root: Path, step: int) -> None:
         raise FileNotFoundError(f"Requested model checkpoint does not exist: {model}")
 
 
-def _initial_configuration(args: Any) -> dict[str, Any]:
-    """What a run before its first checkpoint must keep identical to resume its write-ahead log."""
-    return {key: getattr(args, key, None) for key in _INITIAL_KEYS}
-
-
 # ------------------------------------------------------------------------------------------ selection
 
 
@@ -300,18 +276,27 @@ def _tracker_step(root: Path, pointer: dict[str, Any] | None, active: Path) -> i
     return None
 
 
-def _resume_wal(args: Any, save_root: Path, root: Path, active: Path, expected: str | None, branch: dict) -> Any:
+def _resume_wal(
+    args: Any,
+    save_root: Path,
+    root: Path,
+    active: Path,
+    expected: str | None,
+    branch: dict,
+    *,
+    settings: CheckpointSettings,
+    pool: str | None,
+) -> Any:
     """Resume a run interrupted before its first checkpoint: same save dir, configuration and pool."""
     if root != save_root:
         raise ValueError(
             f"Before the first checkpoint, restart using the original --save directory {root} (got {save_root})"
         )
-    if branch.get("initial_configuration") != _initial_configuration(args):
+    if branch.get("initial_configuration") != settings.initial.record():
         raise ValueError(
             "Initial model/input configuration differs from the interrupted run; restore the original flags "
             f"recorded in {active}/rollout/branch.json or use a new --save"
         )
-    pool = getattr(args, "rollout_data_dir", None)
     if pool and Path(pool).resolve() != Path(branch["pool"]).resolve():
         raise ValueError(f"Interrupted run requires its original straw pool {branch['pool']} (got {pool})")
     args.load = branch.get("initial_load")
@@ -332,28 +317,23 @@ def _occupied(save_root: Path, expected_current: str | None) -> bool:
     return save_root.is_dir() and any(entry.name.startswith("iter_") for entry in save_root.iterdir())
 
 
-def _restores_joint_commits(args: Any) -> bool:
-    """Debug and replay runs own no live queue and restore nothing; a run without --save has nothing to restore."""
-    if any(
-        getattr(args, name, False) for name in ("debug_train_only", "debug_rollout_only", "load_debug_rollout_data")
-    ):
-        return False
-    return bool(getattr(args, "save", None))
-
-
 def resolve_checkpoint(args: Any) -> tuple[Any, RestorePlan]:
     """Select what this run restores and where it writes; mutates and returns `args` with the plan.
 
-    Pure selection: reads files only. The queue controller publishes the branch the plan describes.
+    Pure selection: reads files only. The queue controller publishes the branch the plan describes. Sets
+    `args.save` (the branch this run writes), and with a checkpoint selected `args.load`, `args.ckpt_step`,
+    `args.start_rollout_id`, `args.update_weight_start_version` and `args.rollout_data_dir`.
     """
-    if not _restores_joint_commits(args):
+    settings = CheckpointSettings.from_args(args)
+    if not settings.restores_joint_commits:
         return args, RestorePlan()
-    save_root = Path(args.save).resolve()
+    straw = StrawSettings.from_args(args)
+    save_root = Path(settings.save).resolve()
     current_path = save_root / "rollout" / "current.json"
     expected_current = current_path.read_text() if current_path.exists() else None
-    initial_load = getattr(args, "load", None)
+    initial_load = settings.load
     load = initial_load if initial_load is not None else (save_root if expected_current is not None else None)
-    step = getattr(args, "ckpt_step", None)
+    step = settings.ckpt_step
     selected: tuple[Path, int, Any] | None = None
     if load is not None:
         root = Path(load).resolve()
@@ -373,7 +353,10 @@ def resolve_checkpoint(args: Any) -> tuple[Any, RestorePlan]:
                 step = _tracker_step(root, pointer, active)
             branch = _read_json(active / "rollout" / "branch.json")
             if step is None and branch and branch.get("parent") is None and not committed_steps(active):
-                return args, _resume_wal(args, save_root, root, active, expected_current, branch)
+                resumed = _resume_wal(
+                    args, save_root, root, active, expected_current, branch, settings=settings, pool=straw.pool
+                )
+                return args, resumed
             if direct:
                 selected = (root, step, _read_checkpoint(root, step))
             else:
@@ -394,26 +377,31 @@ def resolve_checkpoint(args: Any) -> tuple[Any, RestorePlan]:
         "version": 1,
         "parent": None,
         "initial_load": initial_load,
-        "initial_configuration": _initial_configuration(args),
+        "initial_configuration": settings.initial.record(),
         "queue_id": f"run:{uuid.uuid4().hex}",
     }
     mode, dataset_cursor = "new", None
     if selected is not None:
-        mode, dataset_cursor = _apply_selection(args, selected, branch)
+        mode, dataset_cursor = _apply_selection(args, settings, straw, selected, branch)
     args.save = str(destination)
     return args, RestorePlan(mode, str(save_root), expected_current, branch, branch["queue_id"], dataset_cursor)
 
 
-def _apply_selection(args: Any, selected: tuple[Path, int, Any], branch: dict[str, Any]) -> tuple[str, str | None]:
+def _apply_selection(
+    args: Any,
+    settings: CheckpointSettings,
+    straw: StrawSettings,
+    selected: tuple[Path, int, Any],
+    branch: dict[str, Any],
+) -> tuple[str, str | None]:
     """Check restore flags against the selected checkpoint and point `args` at it; returns (mode, dataset cursor)."""
     root, step, value = selected
-    omit_optim = getattr(args, "no_load_optim", False) and not getattr(args, "use_stateless_adam", False)
-    if omit_optim or getattr(args, "no_load_rng", False):
+    if not settings.loads_full_state:
         raise ValueError(
             "Checkpoint restoration requires model, optimizer and RNG state (drop --no-load-optim/--no-load-rng, "
             "or start a new run with a new --save)"
         )
-    start = getattr(args, "start_rollout_id", None)
+    start = settings.start_rollout_id
     if start is not None and start != step + 1:
         raise ValueError(
             f"The run starts at step {start} but the checkpoint's next step is {step + 1} ({root}); "
@@ -421,11 +409,9 @@ def _apply_selection(args: Any, selected: tuple[Path, int, Any], branch: dict[st
         )
     dataset_cursor = None
     if value is not None:
-        run_id = StrawSettings.from_args(args).run_id
-        if value.get("run_id") != run_id:
-            raise ValueError(f"Checkpoint belongs to another straw run: {value.get('run_id')!r}, not {run_id!r}")
-        pool = getattr(args, "rollout_data_dir", None)
-        if pool and Path(pool).resolve() != Path(value["rollout_data_dir"]).resolve():
+        if value.get("run_id") != straw.run_id:
+            raise ValueError(f"Checkpoint belongs to another straw run: {value.get('run_id')!r}, not {straw.run_id!r}")
+        if straw.pool and Path(straw.pool).resolve() != Path(value["rollout_data_dir"]).resolve():
             raise ValueError(
                 f"Checkpoint restoration requires the original shared straw pool {value['rollout_data_dir']}"
             )
@@ -471,10 +457,8 @@ def save_checkpoint(
     from slime.plugin_manager import registry_for
 
     registry = registry_for(args)
-    name = getattr(args, "checkpoint_policy", None)
-    if not name:
-        transport = getattr(args, "rollout_data_transport", "object-store") or "object-store"
-        name = registry.get("transports", transport).checkpoint_policy
+    settings = CheckpointSettings.from_args(args)
+    name = settings.policy or registry.get("transports", settings.transport).checkpoint_policy
     policy = registry.get("checkpoint_policies", name).target
     policy(
         args,

@@ -4,7 +4,8 @@
 `--n-samples-per-prompt` Samples per prompt in order (shuffled per epoch with `--rollout-seed` when
 `--rollout-shuffle`), wraps around epochs, and saves its cursor with each checkpoint as
 `<save>/rollout/global_dataset_state_dict_<id>.pt`. `RolloutDataSourceWithBuffer` adds a buffer of groups
-handed back (`add_samples`, e.g. aborted generations) that is served before new prompts.
+handed back (`add_samples`, e.g. aborted generations) that is served before new prompts. Each source reads
+one `PromptSettings` built from the arguments it is constructed with.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from slime.data.prompt_settings import PromptSettings
 from slime.utils.atomic_files import write_atomically
 from slime.utils.types import Sample
 
@@ -48,12 +50,8 @@ _JSONL_FIX = 'each non-empty line of a JSONL prompt file must be one JSON object
 
 
 def prompt_record_keys(args: Any) -> dict[str, str]:
-    """The fields every prompt row must have, each with the flag that names it."""
-    keys = {getattr(args, "input_key", None) or "prompt": "--input-key"}
-    label_key = getattr(args, "label_key", None)
-    if label_key:
-        keys.setdefault(label_key, "--label-key")
-    return keys
+    """The fields every prompt row of the run must have, each with the flag that names it."""
+    return PromptSettings.from_args(args).record_keys()
 
 
 def _check_record(record: Any, where: str, required_keys: Mapping[str, str]) -> dict:
@@ -102,16 +100,14 @@ def read_prompt_records(path: str | os.PathLike, *, required_keys: Mapping[str, 
     return records
 
 
-def _to_sample(record: dict, args: Any) -> Sample:
-    prompt = record[getattr(args, "input_key", None) or "prompt"]
-    if getattr(args, "apply_chat_template", False) and isinstance(prompt, str):
+def _to_sample(record: dict, settings: PromptSettings) -> Sample:
+    prompt = record[settings.input_key]
+    if settings.apply_chat_template and isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
-    label_key = getattr(args, "label_key", None)
-    metadata_key = getattr(args, "metadata_key", None) or "metadata"
-    metadata = record.get(metadata_key) or {}
+    metadata = record.get(settings.metadata_key) or {}
     if isinstance(metadata, str):
         metadata = json.loads(metadata)
-    label = record.get(label_key) if label_key else None
+    label = record.get(settings.label_key) if settings.label_key else None
     return Sample(prompt=prompt, label=None if label is None else str(label), metadata=dict(metadata))
 
 
@@ -120,12 +116,11 @@ class RolloutDataSource(DataSource):
 
     def __init__(self, args: Any) -> None:
         self.args = args
-        self.n_samples_per_prompt = int(getattr(args, "n_samples_per_prompt", 1) or 1)
-        path = getattr(args, "prompt_data", None)
-        if not path:
+        settings = self.settings = PromptSettings.from_args(args)
+        if not settings.prompt_data:
             raise ValueError("RolloutDataSource needs --prompt-data FILE.jsonl (or .parquet)")
-        records = read_prompt_records(path, required_keys=prompt_record_keys(args))
-        self.dataset = [_to_sample(record, args) for record in records]
+        records = read_prompt_records(settings.prompt_data, required_keys=settings.record_keys())
+        self.dataset = [_to_sample(record, settings) for record in records]
         self.epoch_id = 0
         self.sample_offset = 0
         self.sample_group_index = 0
@@ -137,8 +132,8 @@ class RolloutDataSource(DataSource):
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.dataset)))
-        if getattr(self.args, "rollout_shuffle", False):
-            random.Random(int(getattr(self.args, "rollout_seed", 42) or 0) + epoch).shuffle(order)
+        if self.settings.shuffle:
+            random.Random(self.settings.seed + epoch).shuffle(order)
         return order
 
     def get_samples(self, num_samples: int) -> list[list[Sample]]:
@@ -151,7 +146,7 @@ class RolloutDataSource(DataSource):
             prompt = self.dataset[self._order[self.sample_offset]]
             self.sample_offset += 1
             group = []
-            for _ in range(self.n_samples_per_prompt):
+            for _ in range(self.settings.n_samples_per_prompt):
                 sample = copy.deepcopy(prompt)
                 sample.group_index = self.sample_group_index
                 sample.index = self.sample_index
@@ -196,20 +191,18 @@ class RolloutDataSource(DataSource):
         """Write the cursor durably (temporary file, fsync, rename, directory fsync); no-op without --save."""
         import torch
 
-        save = getattr(self.args, "save", None)
-        if not save:
+        if not self.settings.save:
             return
-        path = self.state_path(save, rollout_id)
+        path = self.state_path(self.settings.save, rollout_id)
         write_atomically(path, lambda handle: torch.save(self.state_dict(), handle))
 
     def load(self, rollout_id: int | None = None) -> None:
         """Restore the cursor saved under `--load` with `rollout_id` (nothing to do without either)."""
         import torch
 
-        load = getattr(self.args, "load", None)
-        if not load or rollout_id is None:
+        if not self.settings.load or rollout_id is None:
             return
-        path = self.state_path(load, rollout_id)
+        path = self.state_path(self.settings.load, rollout_id)
         if not path.is_file():
             raise FileNotFoundError(f"No data source state {path}: was checkpoint {rollout_id} saved with --save?")
         self.load_state_dict(torch.load(path, weights_only=True))

@@ -11,6 +11,8 @@ import uuid
 from dataclasses import asdict
 from typing import Any
 
+from slime.data.prompt_settings import PromptSettings
+
 PROMPT_PREFIX = "prompt:"
 DATASET_PRODUCER = "dataset"
 MIN_REFILL, MAX_REFILL = 8, 64
@@ -23,7 +25,7 @@ class PromptTasks:
     def _dataset(self) -> Any:
         """The prompt producer (a `RolloutDataSource` over --prompt-data), positioned at the committed cursor."""
         if self.producer is None:
-            if not getattr(self.args, "prompt_data", None):
+            if not PromptSettings.from_args(self.args).prompt_data:
                 return None
             from slime.data.data_source import RolloutDataSource
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from functools import cached_property
 from typing import Any
 
 import ray
@@ -55,7 +54,7 @@ class RolloutManager:
         self, args: Any, pg: Any, *, restore_plan: Any = None, serving: Any = None, deployment: Any = None
     ) -> None:
         configure_logger()
-        self.settings = ManagerSettings.from_args(args)
+        self._settings = ManagerSettings.from_args(args)
         self.serving = serving
         self.pg = pg
         self.args = args
@@ -92,11 +91,14 @@ class RolloutManager:
             # A lock needs no CPU slot of its own (training ranks would wait for it on small machines).
             self.rollout_engine_lock = Lock.options(num_cpus=0, num_gpus=0).remote()
 
-    @cached_property
+    @property
     def settings(self) -> ManagerSettings:
         """This manager's settings: built by the constructor (a manager made without it builds them from
-        `self.args` on first use)."""
-        return ManagerSettings.from_args(self.args)
+        `self.args` on first use). Not a `functools.cached_property`: Ray cannot pickle its lock (Python 3.11)."""
+        settings = self.__dict__.get("_settings")
+        if settings is None:
+            settings = self._settings = ManagerSettings.from_args(self.args)
+        return settings
 
     @property
     def transport(self) -> Transport:

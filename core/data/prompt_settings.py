@@ -1,0 +1,49 @@
+"""The prompt data sources' settings: what reading `--prompt-data` into prompt groups takes from the arguments.
+
+`PromptSettings.from_args(args)` is built once by each `RolloutDataSource` (and by the run's start-up check
+of the prompt file, `prompt_record_keys`) and validated there, with errors that name the flag. Attributes
+`args` lacks take the flags' defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from slime.utils.settings import check_options, option, options_from_args
+
+
+@dataclass(frozen=True)
+class PromptSettings:
+    """See the flags of the same names in `slime-run --help`."""
+
+    #: The JSONL or Parquet prompt file (None: no prompts).
+    prompt_data: str | None = option("prompt_data")
+    #: The field of each row that holds the prompt, and the optional ones with its label and its metadata.
+    input_key: str = option("input_key", "input")
+    label_key: str | None = option("label_key")
+    metadata_key: str = option("metadata_key", "metadata")
+    #: Send a string prompt as one user message.
+    apply_chat_template: bool = option("apply_chat_template", False)
+    #: Shuffle the prompts each epoch, seeded with `seed` + epoch.
+    shuffle: bool = option("rollout_shuffle", False)
+    seed: int = option("rollout_seed", 42, convert=int)
+    n_samples_per_prompt: int = option("n_samples_per_prompt", 4, convert=int, minimum=1)
+    #: Where the cursor is saved with each checkpoint, and restored from.
+    save: str | None = option("save")
+    load: str | None = option("load")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+    @classmethod
+    def from_args(cls, args: Any) -> PromptSettings:
+        """The settings of `args`; ValueError naming the flag when one is out of range."""
+        return cls(**options_from_args(cls, args))
+
+    def record_keys(self) -> dict[str, str]:
+        """The fields every prompt row must have, each with the flag that names it."""
+        keys = {self.input_key: "--input-key"}
+        if self.label_key:
+            keys.setdefault(self.label_key, "--label-key")
+        return keys
