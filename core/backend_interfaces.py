@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+from slime.plugin_manager import PluginError
+
 __all__ = [
     "ENGINE_ENDPOINTS",
     "EngineEndpoint",
@@ -51,8 +53,9 @@ __all__ = [
 ]
 
 
-class PluginContractError(TypeError):
-    """A rollout-engine or train-backend plugin does not provide what its kind's contract requires."""
+class PluginContractError(PluginError):
+    """A rollout-engine or train-backend plugin does not provide what its kind's contract requires (`slime-run`
+    prints it without a traceback)."""
 
 
 # ------------------------------------------------------------------------------------------ engines
