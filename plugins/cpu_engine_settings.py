@@ -9,15 +9,14 @@ plugin registry imports it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from slime.utils.settings import check_options, option, options_from_args
+from slime.utils.settings import Settings, option
 
 ENGINE_STARTUP_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
-class CPUEngineSettings:
+class CPUEngineSettings(Settings):
     """See the flags of the same names in `slime-run --help` (group "cpu engine")."""
 
     #: The model the engines serve (None: the built-in tiny model).
@@ -33,11 +32,3 @@ class CPUEngineSettings:
     log_dir: str | None = option("cpu_engine_log_dir")
     #: The run's checkpoint directory: engine logs go to `<save>/logs/cpu-engines` without `log_dir`.
     save: str | None = option("save")
-
-    def __post_init__(self) -> None:
-        check_options(self)
-
-    @classmethod
-    def from_args(cls, args: Any) -> CPUEngineSettings:
-        """The settings of `args`; ValueError naming the flag when one is out of range."""
-        return cls(**options_from_args(cls, args))

@@ -22,7 +22,7 @@ from typing import Any
 from slime import hookimpl
 from slime.plugins.demo_task import DEMO_TARGET_LENGTH
 from slime.rollout.settings import RolloutSettings
-from slime.utils.settings import option, options_from_args
+from slime.utils.settings import Settings, option
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ DEMO_OPTIMIZER = {"adam_beta2": 0.98, "lr_decay_style": "constant", "min_lr": 0.
 
 
 @dataclass(frozen=True)
-class DemoRunSettings:
+class DemoRunSettings(Settings):
     """What the demo reads from a run's arguments (see the flags of the same names in `slime-run --help`)."""
 
     hf_checkpoint: str | None = option("hf_checkpoint")
@@ -45,10 +45,6 @@ class DemoRunSettings:
     explicit_options: frozenset[str] = option("explicit_options", frozenset(), convert=frozenset)
     #: Set by this plugin's `slime_configure`: the run is the demo.
     demo_run: bool = option("demo_run", False)
-
-    @classmethod
-    def from_args(cls, args: Any) -> DemoRunSettings:
-        return cls(**options_from_args(cls, args))
 
     @property
     def is_demo(self) -> bool:

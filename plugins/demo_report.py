@@ -21,7 +21,7 @@ from typing import Any
 
 from slime import hookimpl
 from slime.observability.logging_utils import log_metrics, metrics_path
-from slime.utils.settings import check_options, option, options_from_args
+from slime.utils.settings import Settings, option
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ REWARD_KEY = "rollout/reward"
 
 
 @dataclass(frozen=True)
-class ReportSettings:
+class ReportSettings(Settings):
     """What the report shows and where it writes (see the flags of the same names in `slime-run --help`)."""
 
     #: The run's last step is `num_rollout - 1` (the driver sets it from `--num-epoch` when not given).
@@ -40,14 +40,6 @@ class ReportSettings:
     metrics_dir: str | None = option("metrics_dir")
     hf_checkpoint: str | None = option("hf_checkpoint")
     rollout_data_dir: str | None = option("rollout_data_dir")
-
-    def __post_init__(self) -> None:
-        check_options(self)
-
-    @classmethod
-    def from_args(cls, args: Any) -> ReportSettings:
-        """The settings of `args`; ValueError naming the flag when one is out of range."""
-        return cls(**options_from_args(cls, args))
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

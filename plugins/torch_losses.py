@@ -10,17 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from slime.utils.settings import check_options, option, options_from_args
+from slime.utils.settings import Settings, option
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 
 
 @dataclass(frozen=True)
-class LossSettings:
+class LossSettings(Settings):
     """What shapes the per-token loss: `policy_loss` clipping, the `kl_penalty` term and the entropy bonus."""
 
     eps_clip: float = option("eps_clip", 0.2, convert=float, minimum=0.0)
@@ -29,13 +28,6 @@ class LossSettings:
     kl_coef: float = option("kl_coef", 0.0, convert=float, minimum=0.0)
     kl_loss_type: str = option("kl_loss_type", "k3", choices=KL_ESTIMATORS)
     entropy_coef: float = option("entropy_coef", 0.0, convert=float)
-
-    def __post_init__(self) -> None:
-        check_options(self)
-
-    @classmethod
-    def from_args(cls, args: Any) -> LossSettings:
-        return cls(**options_from_args(cls, args))
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from slime.utils.settings import check_options, option, options_from_args
+from slime.utils.settings import Settings, option, options_from_args
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 #: Defaults of the optimizer options: of the flags and of `OptimizerSettings` (for `args` objects that lack one).
@@ -37,7 +37,7 @@ DEFAULT_LR = 1e-3
 
 
 @dataclass(frozen=True)
-class OptimizerSettings:
+class OptimizerSettings(Settings):
     """AdamW and its schedule; `run_optimizer_steps` is the run's length in optimizer steps (None when unknown)."""
 
     lr: float = option("lr", DEFAULT_LR, convert=float)
@@ -53,7 +53,7 @@ class OptimizerSettings:
     run_optimizer_steps: int | None = None
 
     def __post_init__(self) -> None:
-        check_options(self)
+        super().__post_init__()
         if self.lr <= 0 or not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need 0 < --lr and 0 <= --min-lr <= --lr, got --lr {self.lr} --min-lr {self.min_lr}")
         if self.lr_decay_style != "constant" and self.lr_decay_iters is None and self.run_optimizer_steps is None:

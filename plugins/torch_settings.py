@@ -12,11 +12,11 @@ from typing import Any
 
 from slime.plugins.torch_losses import LossSettings
 from slime.plugins.torch_optim import OptimizerSettings
-from slime.utils.settings import check_options, option, options_from_args
+from slime.utils.settings import Settings, option, options_from_args
 
 
 @dataclass(frozen=True)
-class TrainSettings:
+class TrainSettings(Settings):
     """One torch training rank's settings (see the flags of the same names in `slime-run --help`)."""
 
     advantage_estimator: str = option("advantage_estimator", "grpo")
@@ -42,7 +42,7 @@ class TrainSettings:
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
 
     def __post_init__(self) -> None:
-        check_options(self)
+        super().__post_init__()
         if self.advantage_estimator != "grpo":
             raise ValueError(
                 f"the torch backend supports --advantage-estimator grpo only, got {self.advantage_estimator!r}"

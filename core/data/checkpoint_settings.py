@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from slime.utils.settings import check_options, option, options_from_args
+from slime.utils.settings import Settings, option, options_from_args
 
 
 @dataclass(frozen=True)
-class InitialConfiguration:
+class InitialConfiguration(Settings):
     """What a run interrupted before its first checkpoint must keep identical to resume its write-ahead log.
 
     Field names are the flags' destinations: `record()` is what `rollout/branch.json` stores and compares.
@@ -38,17 +38,13 @@ class InitialConfiguration:
     custom_rm_path: str | None = option("custom_rm_path")
     rollout_queue_run_id: str | None = option("rollout_queue_run_id")
 
-    @classmethod
-    def from_args(cls, args: Any) -> InitialConfiguration:
-        return cls(**options_from_args(cls, args))
-
     def record(self) -> dict[str, Any]:
         """`{flag destination: value}`, as `rollout/branch.json` records it."""
         return asdict(self)
 
 
 @dataclass(frozen=True)
-class CheckpointSettings:
+class CheckpointSettings(Settings):
     """See the flags of the same names in `slime-run --help` (group "checkpoints")."""
 
     #: Where this run writes checkpoints (after a restore: its branch directory).
@@ -76,9 +72,6 @@ class CheckpointSettings:
     debug_rollout_only: bool = option("debug_rollout_only", False)
     load_debug_rollout_data: str | None = option("load_debug_rollout_data")
     initial: InitialConfiguration = field(default_factory=InitialConfiguration)
-
-    def __post_init__(self) -> None:
-        check_options(self)
 
     @classmethod
     def from_args(cls, args: Any) -> CheckpointSettings:

@@ -8,13 +8,12 @@ of the prompt file, `prompt_record_keys`) and validated there, with errors that 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from slime.utils.settings import check_options, option, options_from_args
+from slime.utils.settings import Settings, option
 
 
 @dataclass(frozen=True)
-class PromptSettings:
+class PromptSettings(Settings):
     """See the flags of the same names in `slime-run --help`."""
 
     #: The JSONL or Parquet prompt file (None: no prompts).
@@ -32,14 +31,6 @@ class PromptSettings:
     #: Where the cursor is saved with each checkpoint, and restored from.
     save: str | None = option("save")
     load: str | None = option("load")
-
-    def __post_init__(self) -> None:
-        check_options(self)
-
-    @classmethod
-    def from_args(cls, args: Any) -> PromptSettings:
-        """The settings of `args`; ValueError naming the flag when one is out of range."""
-        return cls(**options_from_args(cls, args))
 
     def record_keys(self) -> dict[str, str]:
         """The fields every prompt row must have, each with the flag that names it."""

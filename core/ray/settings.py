@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from slime.ray.router import ROUTER_CHOICES
-from slime.utils.settings import check_options, option, options_from_args
+from slime.utils.settings import Settings, option, options_from_args
 
 if TYPE_CHECKING:
     from slime.plugin_manager import PluginSelection
@@ -42,7 +42,7 @@ DEFAULT_ROLLOUT_FUNCTION = "sglang"
 
 
 @dataclass(frozen=True)
-class DriverSettings:
+class DriverSettings(Settings):
     """The training loop's settings (see the flags of the same names in `slime-run --help`)."""
 
     #: Rollout steps of the whole run (None with `--num-epoch` until `create_rollout_manager` sets it).
@@ -61,18 +61,13 @@ class DriverSettings:
     plugin_selection: PluginSelection | None = option("plugin_selection")
 
     def __post_init__(self) -> None:
-        check_options(self)
+        super().__post_init__()
         if self.num_rollout is None and self.num_epoch is None:
             raise ValueError("--num-rollout must be given (or --num-epoch)")
 
-    @classmethod
-    def from_args(cls, args: Any) -> DriverSettings:
-        """The settings of `args`; ValueError naming the flag when one is missing or out of range."""
-        return cls(**options_from_args(cls, args))
-
 
 @dataclass(frozen=True)
-class ClusterSettings:
+class ClusterSettings(Settings):
     """How the training ranks are placed and created (see the flags of the same names in `slime-run --help`)."""
 
     actor_num_nodes: int = option("actor_num_nodes", 1, convert=int, minimum=1)
@@ -87,14 +82,6 @@ class ClusterSettings:
     kl_coef: float = option("kl_coef", 0.0, convert=float, minimum=0.0)
     #: Set by checkpoint restore: the step the run must start at (None: the step after what the trainers load).
     start_rollout_id: int | None = option("start_rollout_id", convert=int, minimum=0)
-
-    def __post_init__(self) -> None:
-        check_options(self)
-
-    @classmethod
-    def from_args(cls, args: Any) -> ClusterSettings:
-        """The settings of `args`; ValueError naming the flag when one is out of range."""
-        return cls(**options_from_args(cls, args))
 
     @property
     def actor_ranks(self) -> int:
@@ -111,7 +98,7 @@ class ClusterSettings:
 
 
 @dataclass(frozen=True)
-class ServingSettings:
+class ServingSettings(Settings):
     """The engines and router a run starts (see the flags of the same names in `slime-run --help`)."""
 
     #: The rollout-engine plugin's name.
@@ -121,17 +108,9 @@ class ServingSettings:
     #: The router's log goes to `<save>/logs/sglang-router.log` (a temporary file without `--save`).
     save: str | None = option("save")
 
-    def __post_init__(self) -> None:
-        check_options(self)
-
-    @classmethod
-    def from_args(cls, args: Any) -> ServingSettings:
-        """The settings of `args`; ValueError naming the flag when one is out of range."""
-        return cls(**options_from_args(cls, args))
-
 
 @dataclass(frozen=True)
-class ManagerSettings:
+class ManagerSettings(Settings):
     """The rollout manager's settings (see the flags of the same names in `slime-run --help`)."""
 
     #: No engines and no generation: train on replayed rollouts (`--load-debug-rollout-data`).
@@ -158,7 +137,7 @@ class ManagerSettings:
     update_weight_start_version: int = option("update_weight_start_version", 0, convert=int, minimum=0)
 
     def __post_init__(self) -> None:
-        check_options(self)
+        super().__post_init__()
         subsample = self.load_debug_rollout_data_subsample
         if subsample is not None and subsample > 1:
             raise ValueError(f"--load-debug-rollout-data-subsample must be in (0, 1], got {subsample}")
@@ -172,7 +151,7 @@ class ManagerSettings:
 
 
 @dataclass(frozen=True)
-class TrainGroupSettings:
+class TrainGroupSettings(Settings):
     """One training role's group: weight updates and `--release-train` (see `slime-run --help`)."""
 
     #: Set by the framework (checkpoint restore, the rollout manager): the weight version engines serve.
@@ -187,14 +166,9 @@ class TrainGroupSettings:
     no_save_optim: bool = option("no_save_optim", False)
 
     def __post_init__(self) -> None:
-        check_options(self)
+        super().__post_init__()
         if self.release_train and not self.save:
             raise ValueError("--release-train needs --save (the ranks are re-created from the checkpoint saved there)")
-
-    @classmethod
-    def from_args(cls, args: Any) -> TrainGroupSettings:
-        """The settings of `args`; ValueError naming the flag when one is out of range."""
-        return cls(**options_from_args(cls, args))
 
     @property
     def disk_weights(self) -> bool:
@@ -203,16 +177,12 @@ class TrainGroupSettings:
 
 
 @dataclass(frozen=True)
-class InputSettings:
+class InputSettings(Settings):
     """The files a run reads before Ray starts."""
 
     hf_checkpoint: str | None = option("hf_checkpoint")
     prompt_data: str | None = option("prompt_data")
     data_source: str = option("data_source_path", DEFAULT_DATA_SOURCE)
-
-    @classmethod
-    def from_args(cls, args: Any) -> InputSettings:
-        return cls(**options_from_args(cls, args))
 
 
 def check_run_settings(args: Any) -> None:

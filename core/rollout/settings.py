@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from slime.utils.settings import check_options, option, options_from_args
+from slime.utils.settings import Settings, option, options_from_args
 
 
 @dataclass(frozen=True)
-class RolloutSettings:
+class RolloutSettings(Settings):
     """See the flags of the same names in `slime-run --help`."""
 
     #: Groups (prompts) one rollout step keeps (`--rollout-batch-size`).
@@ -47,7 +47,7 @@ class RolloutSettings:
     router_url: str | None = option("rollout_router_url")
 
     def __post_init__(self) -> None:
-        check_options(self)
+        super().__post_init__()
         for dest, value in (("--rollout-top-p", self.top_p), ("--eval-top-p", self.eval_top_p)):
             if value is not None and value > 1:
                 raise ValueError(f"{dest} must be <= 1, got {value}")

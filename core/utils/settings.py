@@ -1,8 +1,8 @@
 """Typed settings: each component reads one frozen dataclass built once from the parsed arguments.
 
-A component declares every value it takes from the command line as a field made with `option(dest, ...)`;
-its `from_args(args)` classmethod gets them from `options_from_args(cls, args)` and its `__post_init__`
-calls `check_options(self)`, which enforces the bounds and choices the fields declare with errors that
+A component declares every value it takes from the command line as a field made with `option(dest, ...)`
+on a frozen dataclass derived from `Settings`: its `from_args(args)` gets them with `options_from_args` and its
+`__post_init__` calls `check_options(self)`, which enforces the bounds and choices the fields declare with errors that
 name the flag ("--micro-batch-size must be >= 1, got 0"). An attribute that `args` lacks or that holds
 None takes the field's default, so tests and tools may pass a namespace holding only a few attributes;
 the defaults equal the flags' defaults (tests/test_args_attributes.py checks it).
@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection
 from dataclasses import field, fields
 from typing import Any
 
-__all__ = ["check_options", "flag", "option", "options_from_args"]
+__all__ = ["Settings", "check_options", "flag", "option", "options_from_args"]
 
 
 def option(
@@ -73,3 +73,19 @@ def check_options(settings: Any) -> None:
             raise ValueError(f"{flag(dest)} must be > {above}, got {value}")
         if choices is not None and value not in choices:
             raise ValueError(f"{flag(dest)} must be one of {', '.join(choices)}, got {value!r}")
+
+
+class Settings:
+    """Base of a settings dataclass: `from_args` reads its `option` fields, `__post_init__` checks them.
+
+    A subclass that derives a default from another field overrides `from_args`; one with checks beyond bounds and
+    choices extends `__post_init__` (calling this one first).
+    """
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+    @classmethod
+    def from_args(cls, args: Any) -> Any:
+        """The settings of `args`; ValueError naming the flag when one is out of range."""
+        return cls(**options_from_args(cls, args))
