@@ -1,9 +1,15 @@
-"""The CPU engine's model side: request parsing, batched sampling and in-place weight reloads.
+"""The CPU engine's model side: request parsing, batched sampling, pausing and in-place weight updates.
 
 `CPUEngine` owns one Hugging Face causal LM and its tokenizer. `EngineScheduler` is the background worker
 that collects requests arriving within a few milliseconds of each other and runs them through the model as
 one left-padded batch, each row with its own sampling parameters and random generator. The HTTP layer
 (`slime.plugins.cpu_engine_server`) only parses JSON and waits on futures.
+
+Everything that changes the weights (`update_weights_from_disk`, `load_named_tensors` behind the distributed
+and tensor updates, `release_memory`/`resume_memory`) runs under `CPUEngine.exclusive()`: it waits for the
+decode batch in progress to finish (or to reach a pause, see `PauseGate`) and no new batch starts until it is
+done, so weights never change under a running model step. The transfers themselves live in
+`slime.plugins.cpu_engine_weights`.
 
 Log-probabilities follow SGLang's default: the log-softmax of the temperature-scaled logits, before top-k
 and top-p filtering (temperature 0 means greedy decoding and scores with temperature 1).
@@ -11,12 +17,14 @@ and top-p filtering (temperature 0 means greedy decoding and scores with tempera
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import contextlib
 import inspect
 import json
-import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,6 +110,12 @@ class GenerationRequest:
     return_logprob: bool
     created: float = field(default_factory=time.monotonic)
     aborted: threading.Event = field(default_factory=threading.Event)
+    abort_message: str = "Aborted by /abort_request"
+
+    def abort(self, message: str) -> None:
+        if not self.aborted.is_set():
+            self.abort_message = message
+            self.aborted.set()
 
 
 def _per_item(value: Any, count: int, name: str) -> list[Any]:
@@ -240,11 +254,71 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return logits
 
 
-class CPUEngine:
-    """A causal LM served on CPU: batched generation and in-place weight reloads from disk."""
+#: Seconds a weight update group waits for its ranks to join, and for each broadcast to complete.
+DEFAULT_GROUP_TIMEOUT_S = 600.0
+WEIGHTS_RELEASED_MESSAGE = (
+    "the engine's weights are released (/release_memory_occupation); call /resume_memory_occupation before "
+    "generating or updating weights"
+)
 
-    def __init__(self, model_path: str, tokenizer_path: str | None = None, seed: int = 0) -> None:
+
+class PauseGate:
+    """Whether generation may run; shared by the scheduler and the decode loop.
+
+    `mode` is None while generating, else the `/pause_generation` mode in force. `cond` guards `mode`, `held`
+    (batches waiting at a pause point), `exclusive_waiters` (operations waiting in `CPUEngine.exclusive`) and
+    the scheduler's queues: whoever waits for any of them waits on `cond`, whoever changes one notifies it.
+    """
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.mode: str | None = None
+        self.held = 0
+        self.exclusive_waiters = 0
+
+    def pause(self, mode: str) -> None:
+        with self.cond:
+            self.mode = mode
+            self.cond.notify_all()
+
+    def resume(self) -> None:
+        with self.cond:
+            self.mode = None
+            self.cond.notify_all()
+
+    def may_start_batch(self) -> bool:
+        """Call holding `cond`: not paused and no exclusive operation waiting."""
+        return self.mode is None and self.exclusive_waiters == 0
+
+
+class CPUEngine:
+    """A causal LM served on CPU: batched generation, pausing and in-place weight updates.
+
+    Pausing (`gate.pause(mode)`, behind `/pause_generation`; the scheduler aborts requests for "abort"):
+    - "abort": queued and running requests end at once with finish_reason {"type": "abort"}; requests that
+      arrive while paused wait in the queue until generation continues.
+    - "in_place": the running batch stops after the decode step in progress, keeps its KV cache and gives the
+      engine lock up, so weights can be updated; after `gate.resume()` it continues where it stopped, with the
+      weights loaded by then over the KV cache computed with the old ones (as SGLang's in_place does).
+      Queued and new requests wait.
+    - "retract": the same, but the running batch drops its KV cache at the pause and, once continued,
+      recomputes it from prompt + tokens generated so far with the weights loaded by then, as SGLang's retract
+      sends running requests back to its waiting queue.
+    Sampled tokens, their log-probabilities and the per-request random generators survive a pause, so a
+    request paused and continued without a weight update generates what it would have unpaused. A response's
+    `weight_version` is the version served when it finished.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer_path: str | None = None,
+        seed: int = 0,
+        weights_group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+    ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from slime.plugins.cpu_engine_weights import WeightUpdateGroups
 
         self.model_path = str(model_path)
         self.tokenizer_path = str(tokenizer_path or model_path)
@@ -267,6 +341,10 @@ class CPUEngine:
         self.seed = seed
         self.weight_version = "default"
         self.lock = threading.Lock()
+        self.gate = PauseGate()
+        self.weight_groups = WeightUpdateGroups(weights_group_timeout_s)
+        self.released_tags: set[str] = set()
+        self._released: Any = None  # cpu_engine_weights.ReleasedWeights while the weights are released
         self.num_batches = 0
         self.num_requests = 0
         self._counter = 0
@@ -276,6 +354,29 @@ class CPUEngine:
         with self._counter_lock:
             self._counter += 1
             return f"cpu-{self._counter}"
+
+    @property
+    def weights_released(self) -> bool:
+        return self._released is not None
+
+    def _check_weights_loaded(self) -> None:
+        if self._released is not None:
+            raise RequestError(WEIGHTS_RELEASED_MESSAGE)
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The engine lock, for changing weights: waits for the batch in progress to finish or reach a pause,
+        and keeps the scheduler from starting another one meanwhile (a plain lock could starve behind it)."""
+        gate = self.gate
+        with gate.cond:
+            gate.exclusive_waiters += 1
+        try:
+            with self.lock:
+                yield
+        finally:
+            with gate.cond:
+                gate.exclusive_waiters -= 1
+                gate.cond.notify_all()
 
     def _generator_for(self, request: GenerationRequest, index: int) -> torch.Generator:
         seed = request.seed if request.seed is not None else (self.seed * 1_000_003 + index) % (2**63)
@@ -287,24 +388,68 @@ class CPUEngine:
         with self.lock:
             self.num_batches += 1
             self.num_requests += len(requests)
-            weight_version = self.weight_version
+            self._hold(requests, [None] * len(requests))  # a pause that came after the scheduler took the batch
             live = [i for i, r in enumerate(requests) if not r.aborted.is_set()]
             outputs: list[tuple[list[int], list[float], dict[str, Any]]] = [
-                ([], [], {"type": "abort", "message": "Abort before prefill"}) for _ in requests
+                ([], [], {"type": "abort", "message": r.abort_message}) for r in requests
             ]
             if live:
+                self._check_weights_loaded()
                 for index, output in zip(live, self._decode([requests[i] for i in live]), strict=True):
                     outputs[index] = output
+            weight_version = self.weight_version
         return [self._response(r, *output, weight_version) for r, output in zip(requests, outputs, strict=True)]
+
+    def abort_response(self, request: GenerationRequest) -> dict[str, Any]:
+        """The answer for a request aborted before it reached the model."""
+        finish = {"type": "abort", "message": request.abort_message}
+        return self._response(request, [], [], finish, self.weight_version)
+
+    def _hold(self, requests: list[GenerationRequest], finish: list[dict | None]) -> str | None:
+        """A pause point, called holding `self.lock` between decode steps.
+
+        While generation is paused, give the lock up (weights may then change) and wait until it continues or
+        every unfinished request is aborted. Returns None when there was no pause, else "retract" when the
+        batch was retracted (its KV cache must be recomputed) or "in_place".
+        """
+        gate = self.gate
+
+        def alive() -> bool:
+            return any(f is None and not r.aborted.is_set() for r, f in zip(requests, finish, strict=True))
+
+        with gate.cond:
+            if gate.mode is None or not alive():
+                return None
+            retract = gate.mode == "retract"
+            gate.held += 1
+            gate.cond.notify_all()
+        self.lock.release()
+        try:
+            with gate.cond:
+                while gate.mode is not None and alive():
+                    gate.cond.wait()
+                    retract = retract or gate.mode == "retract"
+        finally:
+            self.lock.acquire()
+            with gate.cond:
+                gate.held -= 1
+                gate.cond.notify_all()
+        return "retract" if retract else "in_place"
+
+    def _prefill(self, sequences: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """The model's output over the left-padded `sequences` (with its KV cache), their mask and positions."""
+        width = max(len(seq) for seq in sequences)
+        input_ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            input_ids[row, width - len(seq) :] = torch.tensor(seq)
+            mask[row, width - len(seq) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        return out, mask, positions
 
     def _decode(self, requests: list[GenerationRequest]) -> list[tuple[list[int], list[float], dict]]:
         batch = len(requests)
-        width = max(len(r.input_ids) for r in requests)
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((batch, width), dtype=torch.long)
-        for row, r in enumerate(requests):
-            input_ids[row, width - len(r.input_ids) :] = torch.tensor(r.input_ids)
-            mask[row, width - len(r.input_ids) :] = 1
         limits = [min(r.max_new_tokens, self.context_length - len(r.input_ids)) for r in requests]
         generators = []
         with self._counter_lock:
@@ -317,8 +462,7 @@ class CPUEngine:
         for row, limit in enumerate(limits):
             if limit <= 0:
                 finish[row] = {"type": "length", "length": 0}
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out, mask, positions = self._prefill([r.input_ids for r in requests])
         temperatures = torch.tensor([r.temperature if r.temperature > 0 else 1.0 for r in requests]).unsqueeze(-1)
         while any(f is None for f in finish):
             scaled = out.logits[:, -1, :].float() / temperatures
@@ -328,7 +472,7 @@ class CPUEngine:
                 if finish[row] is not None:
                     continue
                 if r.aborted.is_set():
-                    finish[row] = {"type": "abort", "message": "Aborted by /abort_request"}
+                    finish[row] = {"type": "abort", "message": r.abort_message}
                     continue
                 token = self._pick(scaled[row], r, generators[row], len(tokens[row]))
                 tokens[row].append(token)
@@ -337,6 +481,17 @@ class CPUEngine:
                 finish[row] = self._finished(r, tokens[row], limits[row])
             if all(f is not None for f in finish):
                 break
+            paused = self._hold(requests, finish)
+            if paused is not None:
+                self._check_weights_loaded()
+                for row, r in enumerate(requests):
+                    if finish[row] is None and r.aborted.is_set():
+                        finish[row] = {"type": "abort", "message": r.abort_message}
+                if all(f is not None for f in finish):
+                    break
+                if paused == "retract":
+                    out, mask, positions = self._prefill([r.input_ids + tokens[row] for row, r in enumerate(requests)])
+                    continue
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=-1)
             positions = positions[:, -1:] + 1
             out = self.model(
@@ -396,14 +551,17 @@ class CPUEngine:
             meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(logprobs, tokens, strict=True)]
         return {"text": text, "output_ids": tokens, "meta_info": meta}
 
+    # --- weights ---------------------------------------------------------------------------------------
+
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> str:
         """Load the safetensors weights under `model_path` into the live model, all or nothing.
 
         Every tensor is checked (names and shapes) before any parameter changes, so a bad directory
-        leaves the served weights untouched. Waits for the running batch to finish.
+        leaves the served weights untouched. Waits for the running batch to finish (or reach a pause).
         """
         from safetensors.torch import load_file
 
+        self._check_weights_loaded()
         directory = Path(model_path)
         index = directory / "model.safetensors.index.json"
         state: dict[str, torch.Tensor] = {}
@@ -420,99 +578,244 @@ class CPUEngine:
             raise
         except Exception as exc:
             raise RequestError(f"cannot read weights from {directory}: {exc}") from exc
-        current = self.model.state_dict()
-        unexpected = sorted(set(state) - set(current))
-        tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-        missing = sorted(set(current) - set(state) - tied)
-        if unexpected or missing:
-            raise RequestError(
-                f"weights in {directory} do not match the served model: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}"
-            )
-        for name, tensor in state.items():
-            if tuple(tensor.shape) != tuple(current[name].shape):
+        with self.exclusive(), torch.no_grad():
+            self._check_weights_loaded()
+            current = self.model.state_dict()
+            unexpected = sorted(set(state) - set(current))
+            tied = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+            missing = sorted(set(current) - set(state) - tied)
+            if unexpected or missing:
                 raise RequestError(
-                    f"weights in {directory}: {name} has shape {tuple(tensor.shape)}, "
-                    f"the served model expects {tuple(current[name].shape)}"
+                    f"weights in {directory} do not match the served model: missing {missing[:5]}, "
+                    f"unexpected {unexpected[:5]}"
                 )
-        with self.lock, torch.no_grad():
+            for name, tensor in state.items():
+                if tuple(tensor.shape) != tuple(current[name].shape):
+                    raise RequestError(
+                        f"weights in {directory}: {name} has shape {tuple(tensor.shape)}, "
+                        f"the served model expects {tuple(current[name].shape)}"
+                    )
             for name, tensor in state.items():
                 current[name].copy_(tensor.to(current[name].dtype))
             self.model_path = str(directory)
             if weight_version is not None:
                 self.weight_version = str(weight_version)
-        return f"Succeeded to update model weights from {directory}."
+        return f"Succeeded to update model weights from {directory}.{_version_note(weight_version)}"
+
+    def load_named_tensors(
+        self, named: list[tuple[str, torch.Tensor]], weight_version: str | None, endpoint: str
+    ) -> None:
+        """Copy each `(name, tensor)` into the parameter or buffer of that Hugging Face state-dict name (e.g.
+        `model.layers.0.self_attn.q_proj.weight`), converting the dtype; all or nothing: an unknown name or a
+        shape mismatch raises before anything changes. `weight_version` (when given) is served afterwards."""
+        with self.exclusive(), torch.no_grad():
+            self._check_weights_loaded()
+            current = self.model.state_dict()
+            unknown = [name for name, _ in named if name not in current]
+            if unknown:
+                raise RequestError(
+                    f"{endpoint}: the served model has no parameter named {unknown[:5]}"
+                    f"{f' (and {len(unknown) - 5} more)' if len(unknown) > 5 else ''}; names are the Hugging Face "
+                    f"state-dict names, e.g. {next(iter(current))!r}. No weights were changed"
+                )
+            for name, tensor in named:
+                if tuple(tensor.shape) != tuple(current[name].shape):
+                    raise RequestError(
+                        f"{endpoint}: {name} has shape {list(tensor.shape)}, the served model expects "
+                        f"{list(current[name].shape)}. No weights were changed"
+                    )
+            for name, tensor in named:
+                current[name].copy_(tensor)
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[torch.dtype],
+        shapes: list[list[int]],
+        group_name: str,
+        load_format: str | None,
+        weight_version: str | None,
+    ) -> str:
+        """Receive the tensors rank 0 of `group_name` broadcasts and load them by name.
+
+        The tensors are received whatever their names, so the group stays in step with the trainer; loading
+        then refuses unknown names or shapes, leaving the weights as they were.
+        """
+        self._check_weights_loaded()
+        named = self.weight_groups.receive(group_name, names, dtypes, shapes, load_format)
+        self.load_named_tensors(named, weight_version, "/update_weights_from_distributed")
+        return (
+            f"Succeeded to update {len(named)} tensors over weight update group {group_name!r}."
+            f"{_version_note(weight_version)}"
+        )
+
+    def update_weights_from_tensor(self, entry: str, weight_version: str | None) -> str:
+        """Load the `(name, tensor)` pairs of one serialized entry (see `cpu_engine_weights.decode_named_tensors`)."""
+        from slime.plugins.cpu_engine_weights import decode_named_tensors
+
+        self._check_weights_loaded()
+        named = decode_named_tensors(entry)
+        self.load_named_tensors(named, weight_version, "/update_weights_from_tensor")
+        return f"Succeeded to update {len(named)} tensors from shared memory.{_version_note(weight_version)}"
+
+    def release_memory(self, tags: list[str] | None) -> None:
+        """Release the memory of `tags` (None or empty: all). "weights" frees every parameter's storage after
+        saving it to a temporary file (see `cpu_engine_weights.release_weights`); the other tags hold no memory
+        on the CPU engine. Releasing what is already released changes nothing."""
+        from slime.plugins.cpu_engine_weights import MEMORY_TAGS, release_weights
+
+        wanted = set(tags or MEMORY_TAGS)
+        with self.exclusive():
+            if "weights" in wanted and self._released is None:
+                with self.gate.cond:
+                    held = self.gate.held
+                if held:
+                    raise RequestError(
+                        "cannot release the weights while a batch is paused mid-generation: abort it "
+                        "(/pause_generation with mode 'abort', or /abort_request) or continue it first"
+                    )
+                self._released = release_weights(self.model)
+            self.released_tags |= wanted
+
+    def resume_memory(self, tags: list[str] | None) -> None:
+        """Undo `release_memory` for `tags` (None or empty: all): "weights" come back exactly as served before the
+        release. Resuming what is not released changes nothing."""
+        from slime.plugins.cpu_engine_weights import MEMORY_TAGS, restore_weights
+
+        wanted = set(tags or MEMORY_TAGS)
+        with self.exclusive():
+            if "weights" in wanted and self._released is not None:
+                restore_weights(self.model, self._released)
+                self._released = None
+            self.released_tags -= wanted
+
+    def close(self) -> None:
+        """Leave every weight update group and remove released weights' temporary file."""
+        self.weight_groups.close()
+        if self._released is not None:
+            self._released.discard()
+
+
+def _version_note(weight_version: str | None) -> str:
+    return f" Weight version updated to {weight_version}." if weight_version is not None else ""
 
 
 class EngineScheduler:
-    """Background worker: collects requests for `batch_wait_s`, then runs them through the engine together."""
+    """Background worker: collects requests for `batch_wait_s`, then runs them through the engine together.
+
+    No batch starts while generation is paused (`engine.gate`) or a weight change waits for the engine;
+    requests aborted while waiting are answered at once, without the model.
+    """
 
     def __init__(self, engine: CPUEngine, max_batch_size: int = 32, batch_wait_s: float = 0.005) -> None:
         self.engine = engine
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
-        self._queue: queue.Queue = queue.Queue()
-        self._active: dict[int, GenerationRequest] = {}
-        self._active_lock = threading.Lock()
+        self._gate = engine.gate
+        self._cond = engine.gate.cond
+        self._waiting: collections.deque[tuple[GenerationRequest, concurrent.futures.Future]] = collections.deque()
+        self._running: list[GenerationRequest] = []
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="cpu-engine-scheduler", daemon=True)
         self._thread.start()
 
     def submit(self, requests: list[GenerationRequest]) -> list[concurrent.futures.Future]:
-        futures = []
-        with self._active_lock:
-            for request in requests:
-                self._active[id(request)] = request
-        for request in requests:
-            future: concurrent.futures.Future = concurrent.futures.Future()
-            self._queue.put((request, future))
-            futures.append(future)
+        futures: list[concurrent.futures.Future] = [concurrent.futures.Future() for _ in requests]
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the CPU engine is stopped")
+            self._waiting.extend(zip(requests, futures, strict=True))
+            self._cond.notify_all()
         return futures
 
-    def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "Aborted by /abort_request") -> int:
         """Flag matching queued or running requests; they finish with finish_reason "abort"."""
-        with self._active_lock:
-            targets = [r for r in self._active.values() if abort_all or r.rid == rid]
-        for request in targets:
-            request.aborted.set()
+        with self._cond:
+            queued = [request for request, _ in self._waiting]
+            targets = [r for r in queued + self._running if (abort_all or r.rid == rid) and not r.aborted.is_set()]
+            for request in targets:
+                request.abort(message)
+            self._cond.notify_all()
         return len(targets)
 
+    def pause(self, mode: str) -> None:
+        """Pause generation (see `CPUEngine`); returns once no decode step is running: the running batch has
+        finished (mode "abort") or reached its pause point."""
+        self._gate.pause(mode)
+        if mode == "abort":
+            self.abort(abort_all=True, message="Aborted by /pause_generation")
+        with self._cond:
+            while self._running and not (mode != "abort" and self._gate.held):
+                self._cond.wait()
+
+    def resume(self) -> None:
+        self._gate.resume()
+
+    def loads(self) -> dict[str, int]:
+        with self._cond:
+            return {"num_running_reqs": len(self._running), "num_waiting_reqs": len(self._waiting)}
+
     def close(self) -> None:
-        self._queue.put(None)
+        with self._cond:
+            self._closed = True
+            for request in [r for r, _ in self._waiting] + self._running:
+                request.abort("The CPU engine stopped")
+            self._cond.notify_all()
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            kind, items = self._next_work()
+            if kind == "aborted":
+                for request, future in items:
+                    future.set_result(self.engine.abort_response(request))
+            elif kind == "batch":
+                self._execute(items)
+            else:
+                for _, future in items:
+                    future.set_exception(RuntimeError("the CPU engine stopped before the request ran"))
                 return
-            batch = [item]
-            deadline = time.monotonic() + self.batch_wait_s
-            stop = False
-            while len(batch) < self.max_batch_size:
-                remaining = deadline - time.monotonic()
-                try:
-                    nxt = self._queue.get(timeout=max(remaining, 0)) if remaining > 0 else self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    stop = True
-                    break
-                batch.append(nxt)
-            self._execute(batch)
-            if stop:
-                return
+
+    def _next_work(self) -> tuple[str, list[tuple[GenerationRequest, concurrent.futures.Future]]]:
+        """Wait for work: ("aborted", requests aborted while queued), ("batch", requests to run) or ("closed",
+        the requests left)."""
+        with self._cond:
+            while True:
+                aborted = [item for item in self._waiting if item[0].aborted.is_set()]
+                if aborted:
+                    self._waiting = collections.deque(item for item in self._waiting if not item[0].aborted.is_set())
+                    return "aborted", aborted
+                if self._closed:
+                    left, self._waiting = list(self._waiting), collections.deque()
+                    return "closed", left
+                if self._waiting and self._gate.may_start_batch():
+                    deadline = time.monotonic() + self.batch_wait_s
+                    while len(self._waiting) < self.max_batch_size and not self._closed:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            break
+                        self._cond.wait(remaining)
+                    if self._closed or not self._gate.may_start_batch():
+                        continue
+                    batch = [self._waiting.popleft() for _ in range(min(len(self._waiting), self.max_batch_size))]
+                    self._running = [request for request, _ in batch]
+                    return "batch", batch
+                self._cond.wait()
 
     def _execute(self, batch: list[tuple[GenerationRequest, concurrent.futures.Future]]) -> None:
         requests = [request for request, _ in batch]
         try:
-            results = self.engine.generate(requests)
+            results: list[Any] | Exception = self.engine.generate(requests)
         except Exception as exc:  # a failed batch fails its requests loudly, the worker keeps serving
-            for _, future in batch:
-                future.set_exception(exc)
-        else:
-            for (_, future), result in zip(batch, results, strict=True):
-                future.set_result(result)
+            results = exc
         finally:
-            with self._active_lock:
-                for request in requests:
-                    self._active.pop(id(request), None)
+            with self._cond:  # before answering, so a client that got its answer sees it off the loads
+                self._running = []
+                self._cond.notify_all()
+        for index, (_, future) in enumerate(batch):
+            if isinstance(results, Exception):
+                future.set_exception(results)
+            else:
+                future.set_result(results[index])

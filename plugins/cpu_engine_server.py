@@ -1,17 +1,31 @@
-"""The CPU engine's HTTP face: the subset of SGLang's server protocol that slime and sglang-router use.
+"""The CPU engine's HTTP face: SGLang 0.5.19's server protocol, as slime, trainers and sglang-router use it.
 
 `create_app(engine, scheduler)` builds the FastAPI app; `EngineServer` runs one engine behind uvicorn on
 127.0.0.1 and a free (or given) port, in a background thread of the current process (a test, or a Ray actor).
 `listen_socket` takes the port first, so a port in use is an error naming the port and the server.
 Route handlers take `fastapi.Request`, imported at module level so FastAPI can resolve the annotations.
-The routes are the engine contract of `slime.backend_interfaces.ENGINE_ENDPOINTS`, plus `/health_generate`,
-`/update_weight_version` and `/flush_cache`, which SGLang servers also have.
-Errors answer `{"error": {"message": ..., "code": ...}}` with status 400, as SGLang does.
+
+Routes: the engine contract of `slime.backend_interfaces.ENGINE_ENDPOINTS` (`/generate`, `/health`,
+`/model_info`, `/server_info`, `/update_weights_from_disk`, `/abort_request`, ...), plus SGLang's
+`/health_generate`, `/flush_cache`, `/v1/loads`, `/update_weight_version`, `/pause_generation`,
+`/continue_generation`, `/release_memory_occupation`, `/resume_memory_occupation` and the weight transfers
+`/init_weights_update_group`, `/update_weights_from_distributed`, `/destroy_weights_update_group` and
+`/update_weights_from_tensor` (see `slime.plugins.cpu_engine_weights` for how the engine joins a group and
+reads tensors). `/get_weight_version` (deprecated in SGLang 0.5.19, which answers 404 there) still answers
+until slime reads the version from `/model_info`.
+
+Bodies are checked against SGLang's request schemas: a malformed body answers 400
+`{"error": {"message": ..., "code": 400}}` naming the field. A weight operation that is well formed but
+fails (a group that does not form, an unknown parameter name) answers 400 `{"success": false, "message": ...}`
+as SGLang does, and leaves the served weights as they were. Blocking work (joining a group, broadcasts,
+loading weights, pausing) runs off the event loop, so `/health` keeps answering meanwhile (unlike SGLang,
+whose server blocks while a group forms).
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import errno
 import json
 import socket
@@ -22,11 +36,24 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from slime.plugins.cpu_engine_core import CPUEngine, EngineScheduler, RequestError, parse_generate_body
+from slime.plugins.cpu_engine_core import (
+    DEFAULT_GROUP_TIMEOUT_S,
+    WEIGHTS_RELEASED_MESSAGE,
+    CPUEngine,
+    EngineScheduler,
+    RequestError,
+    parse_generate_body,
+)
+from slime.plugins.cpu_engine_weights import parse_control_body
 
 
 def _error(message: str, status: int = 400):
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+
+def _refusal(message: str):
+    """SGLang's answer to a weight operation that failed."""
+    return JSONResponse({"success": False, "message": message}, status_code=400)
 
 
 async def _json_body(request: Any, required: bool = True) -> Any:
@@ -54,6 +81,8 @@ def create_app(engine: CPUEngine, scheduler: EngineScheduler):
     @app.post("/generate")
     async def generate(request: Request):
         body = await _json_body(request)
+        if engine.weights_released:
+            raise RequestError(WEIGHTS_RELEASED_MESSAGE)
         requests, batched = parse_generate_body(body, engine.tokenizer, engine.vocab_size, engine.next_rid)
         too_long = [r for r in requests if len(r.input_ids) >= engine.context_length]
         if too_long:
@@ -70,6 +99,9 @@ def create_app(engine: CPUEngine, scheduler: EngineScheduler):
 
     @app.get("/health_generate")
     async def health_generate():
+        if engine.gate.mode is not None or engine.weights_released:
+            # Paused or released on purpose: a probe would wait (or fail); the server itself is healthy.
+            return Response(status_code=200)
         probe = {"input_ids": [engine.pad_token_id], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
         requests, _ = parse_generate_body(probe, engine.tokenizer, engine.vocab_size, engine.next_rid)
         await run(requests)
@@ -104,16 +136,95 @@ def create_app(engine: CPUEngine, scheduler: EngineScheduler):
     async def get_weight_version():
         return {"weight_version": engine.weight_version}
 
+    @app.get("/v1/loads")
+    async def loads():
+        counts = scheduler.loads()
+        return {
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "loads": [{"dp_rank": 0, **counts, "token_usage": 0.0}],
+        }
+
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):
-        body = await _json_body(request)
-        version = body.get("new_version") if isinstance(body, dict) else None
-        if version is None:
-            raise RequestError("/update_weight_version needs {'new_version': str}")
-        if body.get("abort_all_requests"):
-            scheduler.abort(abort_all=True)
-        engine.weight_version = str(version)
-        return {"success": True, "message": f"Weight version updated to {version}"}
+        params = parse_control_body("/update_weight_version", await _json_body(request))
+        if params["abort_all_requests"]:
+            scheduler.abort(abort_all=True, message="Aborted by /update_weight_version")
+        version = params["new_version"]
+        engine.weight_version = version
+        return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        params = parse_control_body("/pause_generation", await _json_body(request, required=False))
+        await asyncio.to_thread(scheduler.pause, params["mode"])
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request):
+        parse_control_body("/continue_generation", await _json_body(request, required=False))
+        scheduler.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(request: Request):
+        params = parse_control_body("/release_memory_occupation", await _json_body(request, required=False))
+        await asyncio.to_thread(engine.release_memory, params["tags"])
+        return None
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(request: Request):
+        params = parse_control_body("/resume_memory_occupation", await _json_body(request, required=False))
+        await asyncio.to_thread(engine.resume_memory, params["tags"])
+        return None
+
+    async def weight_operation(function, *args):
+        try:
+            message = await asyncio.to_thread(function, *args)
+        except RequestError as exc:
+            return _refusal(str(exc))
+        return {"success": True, "message": message}
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        params = parse_control_body("/init_weights_update_group", await _json_body(request))
+        return await weight_operation(
+            engine.weight_groups.init,
+            params["master_address"],
+            params["master_port"],
+            params["rank_offset"],
+            params["world_size"],
+            params["group_name"],
+            params["backend"],
+        )
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        params = parse_control_body("/destroy_weights_update_group", await _json_body(request, required=False))
+        return await weight_operation(engine.weight_groups.destroy, params["group_name"])
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        params = parse_control_body("/update_weights_from_distributed", await _json_body(request))
+        if params["abort_all_requests"]:
+            scheduler.abort(abort_all=True, message="Aborted by /update_weights_from_distributed")
+        return await weight_operation(
+            engine.update_weights_from_distributed,
+            params["names"],
+            params["dtypes"],
+            params["shapes"],
+            params["group_name"],
+            params["load_format"],
+            params["weight_version"],
+        )
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request):
+        params = parse_control_body("/update_weights_from_tensor", await _json_body(request))
+        if params["abort_all_requests"]:
+            scheduler.abort(abort_all=True, message="Aborted by /update_weights_from_tensor")
+        # One entry per tensor-parallel rank; the CPU engine is rank 0 of 1.
+        entry = params["serialized_named_tensors"][0]
+        return await weight_operation(engine.update_weights_from_tensor, entry, params["weight_version"])
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
@@ -121,7 +232,7 @@ def create_app(engine: CPUEngine, scheduler: EngineScheduler):
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
             raise RequestError("/update_weights_from_disk needs {'model_path': str, 'weight_version': str?}")
         if body.get("abort_all_requests"):
-            scheduler.abort(abort_all=True)
+            scheduler.abort(abort_all=True, message="Aborted by /update_weights_from_disk")
         try:
             message = await asyncio.to_thread(
                 engine.update_weights_from_disk, body["model_path"], body.get("weight_version")
@@ -220,6 +331,7 @@ class EngineServer:
         max_batch_size: int = 32,
         batch_wait_s: float = 0.005,
         num_threads: int | None = None,
+        weights_group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
     ) -> None:
         sock = sock if sock is not None else listen_socket(host, port, "CPU engine HTTP server")
         try:
@@ -227,7 +339,9 @@ class EngineServer:
                 import torch
 
                 torch.set_num_threads(num_threads)
-            self.engine = CPUEngine(model_path, tokenizer_path, seed=seed)
+            self.engine = CPUEngine(
+                model_path, tokenizer_path, seed=seed, weights_group_timeout_s=weights_group_timeout_s
+            )
             self.scheduler = EngineScheduler(self.engine, max_batch_size=max_batch_size, batch_wait_s=batch_wait_s)
         except BaseException:
             sock.close()
@@ -236,9 +350,11 @@ class EngineServer:
             self._http = _ThreadedUvicorn(create_app(self.engine, self.scheduler), sock, name="cpu-engine-http")
         except BaseException:
             self.scheduler.close()
+            self.engine.close()
             raise
         self.url = self._http.url
 
     def stop(self) -> None:
         self._http.stop()
         self.scheduler.close()
+        self.engine.close()
