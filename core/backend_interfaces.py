@@ -12,14 +12,23 @@ class of one training rank, a `TrainBackend`. `slime.ray.actor_group.RayTrainGro
 no constructor arguments (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` are in the
 rank's environment) and calls the methods below on every rank.
 
-With `--update-weight-transport disk` (the default; the one the built-in torch backend supports), weights
-reach the engines through disk: `update_weights()` on every rank exports the current weights to
-`<--update-weight-disk-dir>/weight_v{version:06d}/` (`weight_dir`), complete or not at all, with `version`
-counting from `args.update_weight_start_version` (set before `init`) one per call. The group then has
-every engine `POST /update_weights_from_disk {"model_path": that directory, "weight_version": str(version)}`
-and removes the directory (unless `--update-weight-disk-keep-files`). The directory must hold what the
-engine loads: Hugging Face `*.safetensors` weights (with `model.safetensors.index.json` when sharded) of
-the served architecture.
+After every step (and once before the first) the group calls `update_weights(update)` on every rank with
+one `slime.weight_sync.WeightUpdate`: `update.version` counts from `args.update_weight_start_version` (set before
+`init`), one per update, and `update.transport` is `--update-weight-transport`:
+
+- "disk" (the default): every rank exports the current weights to `update.disk_dir`
+  (`weight_dir(--update-weight-disk-dir, version)`, i.e. `weight_v{version:06d}/`), complete or not at all:
+  Hugging Face `*.safetensors` weights (with `model.safetensors.index.json` when sharded) of the served
+  architecture. The rollout manager then has every engine `POST /update_weights_from_disk {"model_path": that
+  directory, "weight_version": str(version)}` and the group removes the directory (unless
+  `--update-weight-disk-keep-files`).
+- "distributed" or "tensor": the engines are already paused and `update.engine_urls` names them. The rank that
+  holds the full weights (gathered first when the backend shards them) calls
+  `slime.weight_sync.send_weights(update, named_tensors)` with Hugging Face names; the other ranks wait for it.
+  Every rank returns, or raises, only once the send has ended, so the ranks agree on the outcome.
+
+Either way the rollout manager then checks that every engine reports `str(version)` in `GET /model_info` and
+lets them generate again.
 
 `check_run_backends(args)` resolves and checks both before any Ray actor starts, with errors that name the
 plugin that provides them and what is missing.
@@ -34,6 +43,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from slime.plugin_manager import PluginError
+from slime.weight_sync import WeightUpdate
 
 __all__ = [
     "ENGINE_ENDPOINTS",
@@ -104,9 +114,11 @@ class EngineEndpoint:
     response: str
 
 
-#: Every endpoint slime-rl and sglang-router (`--rollout-router sglang-router`) call on an engine. Errors
-#: answer a 4xx status (not retried) or 5xx (retried on another engine) with a JSON body
-#: `{"error": {"message": str, "code": int}}`.
+#: Every endpoint slime-rl and sglang-router (`--rollout-router sglang-router`) call on an engine. Errors of
+#: `/generate` answer a 4xx status (not retried) or 5xx (retried on another engine) with a JSON body
+#: `{"error": {"message": str, "code": int}}`; the weight and control endpoints refuse with 400 and
+#: `{"success": false, "message": str}`, which stops the update with an error naming the engine and the message
+#: (`slime.engine_control`).
 ENGINE_ENDPOINTS: tuple[EngineEndpoint, ...] = (
     EngineEndpoint(
         "POST",
@@ -121,38 +133,117 @@ ENGINE_ENDPOINTS: tuple[EngineEndpoint, ...] = (
     EngineEndpoint(
         "GET",
         "/health",
-        "the health monitor (slime.ray.health_monitor), every --rollout-health-check-interval s; sglang-router",
+        "engine launchers, before they return the engines; sglang-router",
         "none",
-        "status 200 while the engine can serve (within --rollout-health-check-timeout); the body is ignored",
+        "status 200 while the engine's server is up; the body is ignored",
+    ),
+    EngineEndpoint(
+        "GET",
+        "/health_generate",
+        "the health monitor (slime.ray.health_monitor), every --rollout-health-check-interval s",
+        "none",
+        "status 200 once a one-token generation ran (within --rollout-health-check-timeout)",
+    ),
+    EngineEndpoint(
+        "GET",
+        "/v1/loads",
+        "the health monitor, when /health_generate is slow (a busy engine is not a dead one)",
+        "none",
+        "{'loads': [{'num_running_reqs': int, 'num_waiting_reqs': int, ...}, ...]}",
     ),
     EngineEndpoint(
         "GET",
         "/model_info",
-        "the rollout functions, when --hf-checkpoint is unset (for the tokenizer); sglang-router at registration",
+        "the rollout functions, when --hf-checkpoint is unset (for the tokenizer); the rollout manager, after "
+        "every weight update and for a checkpoint's weight version (slime.engine_control.engine_weight_versions); "
+        "sglang-router at registration",
         "none",
-        "{'model_path': str, 'tokenizer_path': str | None, 'is_generation': true}",
+        "{'model_path': str, 'tokenizer_path': str | None, 'is_generation': true, 'weight_version': str} "
+        "(weight_version: 'default' until the first update, then the str of the update's version)",
     ),
     EngineEndpoint(
         "GET",
         "/server_info",
-        "sglang-router, when it registers the engine as a worker",
+        "the weight senders (slime.weight_sync), before a distributed or tensor update; sglang-router, when it "
+        "registers the engine as a worker",
         "none",
-        "a JSON object; sglang-router reads 'model_path', 'served_model_name', 'tp_size', 'dp_size' when present",
+        "a JSON object with 'tp_size': int (the engine's ranks that receive weights) and 'dp_size': int (1, or "
+        "'enable_dp_attention': true); sglang-router also reads 'model_path' and 'served_model_name'",
     ),
     EngineEndpoint(
-        "GET",
-        "/get_weight_version",
-        "the rollout manager (slime.ray.serving.engine_weight_version), for the checkpoint's weight version",
-        "none",
-        "{'weight_version': str} (a decimal number once weights were updated)",
+        "POST",
+        "/pause_generation",
+        "the rollout manager, before every weight update (slime.engine_control.pause_generation)",
+        "{'mode': 'abort' | 'retract'} ('retract' with --partial-rollout)",
+        "status 200 once generation stopped: 'abort' ends in-flight requests (finish_reason 'abort'), 'retract' "
+        "holds them until /continue_generation; new requests wait until then",
+    ),
+    EngineEndpoint(
+        "POST",
+        "/continue_generation",
+        "the rollout manager, after every weight update, once the engine reports the new version",
+        "{}",
+        "status 200; retracted and waiting requests run with the new weights",
+    ),
+    EngineEndpoint(
+        "POST",
+        "/release_memory_occupation",
+        "the rollout manager after every rollout step with --offload-rollout (engines sharing the trainers' devices)",
+        "{'tags': null} (all: weights and KV cache)",
+        "status 200 once the memory is free; the engine generates again only after /resume_memory_occupation",
+    ),
+    EngineEndpoint(
+        "POST",
+        "/resume_memory_occupation",
+        "the rollout manager before the next weight update (or generation) of engines that released memory",
+        "{'tags': null}",
+        "status 200 once the engine holds its memory (and the weights it served) again",
     ),
     EngineEndpoint(
         "POST",
         "/update_weights_from_disk",
-        "the rollout manager, after every export of the training backend (see weight_dir)",
+        "the rollout manager, after every export with --update-weight-transport disk (see weight_dir)",
         "{'model_path': str (a weight_v{version:06d} directory), 'weight_version': str}",
         "status 200 once the engine serves those weights (later /generate answers carry that weight_version); "
         "400 with {'success': false, 'message': str} when the directory cannot be loaded, the old weights kept",
+    ),
+    EngineEndpoint(
+        "POST",
+        "/init_weights_update_group",
+        "slime.weight_sync.DistributedWeightSender (--update-weight-transport distributed), to every engine at "
+        "once while the trainer joins as rank 0",
+        "{'master_address': str, 'master_port': int, 'rank_offset': int, 'world_size': int, 'group_name': str, "
+        "'backend': 'gloo' | 'nccl'}: engine rank i joins as rank_offset + i of world_size = 1 + the sum of "
+        "tp_size, over a tcp:// rendezvous whose keys it prefixes with group_name (torch.distributed's group helper)",
+        "status 200 {'success': true, 'message': str} once its ranks joined; 400 {'success': false, ...}",
+    ),
+    EngineEndpoint(
+        "POST",
+        "/update_weights_from_distributed",
+        "slime.weight_sync.DistributedWeightSender, once per bucket, to every engine while it broadcasts",
+        "{'names': list[str], 'dtypes': list[str] ('float32', 'bfloat16', ...), 'shapes': list[list[int]], "
+        "'group_name': str, 'load_format': 'flattened_bucket', 'flush_cache': bool, 'weight_version': str | null} "
+        "(flush_cache and weight_version on the last bucket only)",
+        "status 200 {'success': true} once the engine received the bucket (one uint8 tensor, the concatenated "
+        "bytes of the tensors in order, broadcast from rank 0) and loaded it; weight_version, when given, is the "
+        "served version from then on; 400 {'success': false, 'message': str}",
+    ),
+    EngineEndpoint(
+        "POST",
+        "/destroy_weights_update_group",
+        "slime.weight_sync.DistributedWeightSender, after every distributed update (also a failed one)",
+        "{'group_name': str}",
+        "status 200 once the engine left the group; 400 {'success': false, ...} when it has no such group",
+    ),
+    EngineEndpoint(
+        "POST",
+        "/update_weights_from_tensor",
+        "slime.weight_sync.TensorWeightSender (--update-weight-transport tensor; engines on training rank 0's "
+        "machine), once per bucket",
+        "{'serialized_named_tensors': list[str] (one per engine TP rank: base64 of a ForkingPickler dump of "
+        "[(name, tensor), ...], tensors in shared memory), 'load_format': null, 'flush_cache': bool, "
+        "'weight_version': str | null}",
+        "status 200 {'success': true} once the tensors are loaded; 400 {'success': false, 'message': str}",
     ),
     EngineEndpoint(
         "POST",
@@ -201,10 +292,10 @@ class TrainBackend(Protocol):
         `args.load = args.save` resumes from it; return once it is durable when `force_sync`."""
         ...
 
-    def update_weights(self) -> None:
-        """Export the current weights to `weight_dir(args.update_weight_disk_dir, version)` (version counted
-        from `args.update_weight_start_version`, +1 per call), complete or not at all; the group then has the
-        engines load it."""
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Bring the engines to the current weights as `update.version` (see the module docstring): export to
+        `update.disk_dir` for transport "disk", else have the rank holding the full weights call
+        `slime.weight_sync.send_weights(update, named_tensors)`. Raise on every rank when it failed on any."""
         ...
 
 
@@ -217,7 +308,11 @@ TRAIN_BACKEND_METHODS: dict[str, tuple[str, tuple, dict]] = {
     ),
     "train": ("train(rollout_id, rollout_data_ref)", (0, []), {}),
     "save_model": ("save_model(rollout_id, force_sync=False)", (0,), {"force_sync": False}),
-    "update_weights": ("update_weights()", (), {}),
+    "update_weights": (
+        "update_weights(update)",
+        (WeightUpdate(version=1, transport="disk", disk_dir="weight_v000001"),),
+        {},
+    ),
 }
 
 

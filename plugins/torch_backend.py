@@ -11,7 +11,8 @@ validated `slime.plugins.torch_settings.TrainSettings`; nothing else reads them.
 One `train` call is one rollout step: the rank loads its shard (`process_rollout_data`), computes the
 old-policy (and, with `--kl-coef`, reference) log-probs of the response tokens, then takes one AdamW step
 per global batch of the schedule, accumulating gradients over its micro batches. Checkpoints and disk
-weight exports are made durable before they become visible (see `slime.plugins.torch_checkpoint`).
+weight exports are made durable before they become visible (see `slime.plugins.torch_checkpoint`); with
+`--update-weight-transport distributed` or `tensor`, rank 0 sends the weights itself (`slime.weight_sync`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from slime import hookimpl
-from slime.backend_interfaces import weight_dir
 from slime.plugins import torch_checkpoint as ckpt
 from slime.plugins.torch_losses import (
     KL_ESTIMATORS,
@@ -42,6 +42,7 @@ from slime.plugins.torch_losses import (
 from slime.plugins.torch_optim import add_optimizer_options, build_optimizer
 from slime.plugins.torch_settings import TrainSettings
 from slime.specs import TrainBackendSpec
+from slime.weight_sync import WeightUpdate, send_weights
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,6 @@ class TorchTrainRayActor:
             self.ddp = None
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), settings.optimizer)
         self.global_step = 0
-        self.weight_version = settings.update_weight_start_version
         if step is not None:
             self._load_training_state(ckpt.iter_dir(load_root, step))
             return step + 1
@@ -426,36 +426,42 @@ class TorchTrainRayActor:
 
     # ---------------------------------------------------------- weight update
 
-    def update_weights(self) -> None:
-        """Export the current weights for the engines: `<update_weight_disk_dir>/weight_v{version:06d}/`.
-
-        The version counts from `update_weight_start_version`, as the group's does. Rank 0 writes (DDP keeps
-        every rank's weights equal); the directory appears complete or not at all. The group then tells the
-        engines to reload it.
-        """
-        disk_dir = self.settings.update_weight_disk_dir
-        if not disk_dir:
-            raise ValueError("disk weight updates need --update-weight-disk-dir (a directory the engines can read)")
-        self.weight_version += 1
-        target = weight_dir(disk_dir, self.weight_version)
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Bring the engines to the current weights as `update.version` (DDP keeps every rank's weights equal, so
+        rank 0 does the work while the others wait): transport "disk" exports to `update.disk_dir`, which
+        appears complete or not at all (the group then has the engines load it); "distributed" and "tensor" send
+        the model's state dict, Hugging Face names as `save_pretrained` writes them, to the paused engines."""
         error: BaseException | None = None
         if self.rank == 0:
-            staging = target.with_name(f".{target.name}.partial")
             try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                if staging.exists():
-                    shutil.rmtree(staging)
-                self.model.save_pretrained(staging, safe_serialization=True)
-                for name in TOKENIZER_FILES:
-                    source = Path(self.hf_source) / name
-                    if source.is_file():
-                        shutil.copyfile(source, staging / name)
-                ckpt.publish_dir(staging, target)
+                if update.transport == "disk":
+                    self._export_weights(Path(str(update.disk_dir)))
+                else:
+                    send_weights(update, self.model.state_dict().items())
             except BaseException as exc:
-                shutil.rmtree(staging, ignore_errors=True)
                 error = exc
         if not self._all_ok(error is None):
-            raise RuntimeError(f"exporting weights to {target} failed: {error or 'on rank 0'}") from error
+            where = update.disk_dir if update.transport == "disk" else ", ".join(update.engine_urls)
+            raise RuntimeError(
+                f"weight update {update.version} ({update.transport}) to {where} failed: {error or 'on rank 0'}"
+            ) from error
+
+    def _export_weights(self, target: Path) -> None:
+        """Write the model (and the tokenizer files of its source) to `target` through a staging directory."""
+        staging = target.with_name(f".{target.name}.partial")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if staging.exists():
+                shutil.rmtree(staging)
+            self.model.save_pretrained(staging, safe_serialization=True)
+            for name in TOKENIZER_FILES:
+                source = Path(self.hf_source) / name
+                if source.is_file():
+                    shutil.copyfile(source, staging / name)
+            ckpt.publish_dir(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
 
 
 def _rollout_log_probs(data: dict[str, Any], batch: _Batch) -> list[torch.Tensor]:

@@ -32,10 +32,6 @@ class TrainSettings(Settings):
     no_save_rng: bool = option("no_save_rng", False)
     micro_batch_size: int = option("micro_batch_size", 8, convert=int, minimum=1)
     use_rollout_logprobs: bool = option("use_rollout_logprobs", False)
-    update_weight_transport: str = option("update_weight_transport", "disk")
-    update_weight_disk_dir: str | None = option("update_weight_disk_dir")
-    #: Set by the framework: the weight version the engines serve before this rank's first export.
-    update_weight_start_version: int = option("update_weight_start_version", 0, convert=int, minimum=0)
     #: Set by the framework: the first rollout step of a run that loads no checkpoint (None: 0).
     start_rollout_id: int | None = option("start_rollout_id", convert=int, minimum=0)
     loss: LossSettings = field(default_factory=LossSettings)
@@ -46,11 +42,6 @@ class TrainSettings(Settings):
         if self.advantage_estimator != "grpo":
             raise ValueError(
                 f"the torch backend supports --advantage-estimator grpo only, got {self.advantage_estimator!r}"
-            )
-        if self.update_weight_transport != "disk":
-            raise ValueError(
-                "the torch backend updates engine weights through disk only, not "
-                f"{self.update_weight_transport!r} (--update-weight-transport)"
             )
 
     @classmethod

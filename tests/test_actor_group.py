@@ -12,20 +12,22 @@ from slime.backend_interfaces import TrainBackend
 from slime.ray import actor_group
 from slime.ray.actor_group import Placement, RayTrainGroup
 from slime.ray.rollout import RolloutManager
+from slime.weight_sync import WeightUpdate
 
 
 def _rank(log: list, args, rank: int = 0):
     """One training rank's handle whose `update_weights` writes the export directory as a real backend does."""
-    version = [int(getattr(args, "update_weight_start_version", 0) or 0)]
 
-    def export():
-        version[0] += 1
-        if rank == 0 and getattr(args, "update_weight_transport", None) == "disk":
-            target = Path(args.update_weight_disk_dir) / f"weight_v{version[0]:06d}"
+    def export(update: WeightUpdate):
+        if rank == 0 and update.transport == "disk":
+            target = Path(update.disk_dir)
             target.mkdir(parents=True)
             (target / "model.safetensors").write_bytes(b"w")
 
     return fake_actor_handle(TrainBackend, log, "rank", update_weights=export, init=5, train={"loss": 1.0})
+
+
+ENGINES = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
 
 
 def _manager(log: list, seen_dirs: list):
@@ -34,7 +36,13 @@ def _manager(log: list, seen_dirs: list):
     def update_weights_from_disk(path, version):
         seen_dirs.append(Path(path).is_dir())
 
-    return fake_actor_handle(RolloutManager, log, "manager", update_weights_from_disk=update_weights_from_disk)
+    return fake_actor_handle(
+        RolloutManager,
+        log,
+        "manager",
+        update_weights_from_disk=update_weights_from_disk,
+        prepare_weight_update=list(ENGINES),
+    )
 
 
 def _args(tmp_path, **overrides):
@@ -80,12 +88,13 @@ def test_disk_versions_count_from_start_and_exports_are_removed_after_reload(tmp
     group = _group(_args(tmp_path), log, ranks=2, seen_dirs=seen_dirs)
     for expected in (4, 5, 6):
         assert group.update_weights() is None
-        assert group._disk_weight_version == expected
+        assert group._weight_version == expected
     reloads = [call[1] for call in log if call[0] == "manager.update_weights_from_disk"]
     assert reloads == [(str(tmp_path / "weights" / f"weight_v{v:06d}"), str(v)) for v in (4, 5, 6)]
     assert seen_dirs == [True, True, True]  # Still there while engines load it.
     assert not any((tmp_path / "weights").iterdir())
-    assert sum(call[0] == "rank.update_weights" for call in log) == 6
+    exports = [WeightUpdate(v, "disk", disk_dir=str(tmp_path / "weights" / f"weight_v{v:06d}")) for v in (4, 5, 6)]
+    assert _updates(log) == [export for export in exports for _rank in range(2)]  # every rank, every version
 
 
 def test_keep_files_retains_exports(tmp_path, no_ray):
@@ -95,23 +104,74 @@ def test_keep_files_retains_exports(tmp_path, no_ray):
     assert (tmp_path / "weights" / "weight_v000004" / "model.safetensors").is_file()
 
 
-@pytest.mark.parametrize(
-    "overrides", [{"update_weight_transport": "nccl"}, {"update_weight_mode": "delta"}], ids=["nccl", "non-full"]
-)
-def test_non_disk_updates_only_call_the_ranks(tmp_path, no_ray, overrides):
+def _updates(log: list) -> list[WeightUpdate]:
+    return [call[1][0] for call in log if call[0] == "rank.update_weights"]
+
+
+@pytest.mark.parametrize("transport", ["distributed", "tensor", "nccl"])
+def test_sent_updates_go_to_the_paused_engines_and_are_checked_before_generation_continues(tmp_path, no_ray, transport):
     log: list = []
-    group = _group(_args(tmp_path, **overrides), log)
+    args = _args(tmp_path, update_weight_transport=transport, update_weight_buffer_size=1024, rollout_http_timeout=9)
+    group = _group(args, log, ranks=2)
     group.update_weights()
-    assert [call[0] for call in log] == ["rank.update_weights"]
-    assert group._disk_weight_version == 3
+    assert [call[0] for call in log] == [
+        "manager.prepare_weight_update",
+        "rank.update_weights",
+        "rank.update_weights",
+        "manager.finish_weight_update",
+    ]
+    expected = WeightUpdate(
+        version=4,
+        transport="tensor" if transport == "tensor" else "distributed",  # "nccl" is the old name of distributed
+        engine_urls=tuple(ENGINES),
+        bucket_bytes=1024,
+        timeout_s=9.0,
+    )
+    assert _updates(log) == [expected, expected]
+    assert log[-1][1] == (4,) and group._weight_version == 4
+    group.update_weights()
+    assert [update.version for update in _updates(log)] == [4, 4, 5, 5] and group._weight_version == 5
+    assert not (tmp_path / "weights").exists()
 
 
-def test_critic_never_exports_weights_to_engines(tmp_path, no_ray):
+def test_a_failed_send_leaves_the_version_and_the_engines_paused(tmp_path, no_ray):
+    log: list = []
+    group = _group(_args(tmp_path, update_weight_transport="distributed"), log)
+
+    def fail(update):
+        raise RuntimeError("engine http://127.0.0.1:1 refused")
+
+    group._actor_handlers[0].update_weights.behaviour = fail
+    with pytest.raises(RuntimeError, match="refused"):
+        group.update_weights()
+    assert group._weight_version == 3
+    assert [call[0] for call in log] == ["manager.prepare_weight_update", "rank.update_weights"]
+
+
+def test_without_a_rollout_manager_sent_updates_name_no_engines(tmp_path, no_ray):
+    log: list = []
+    group = _group(_args(tmp_path, update_weight_transport="distributed"), log)
+    group._rollout_manager = None
+    group.update_weights()
+    assert _updates(log) == [WeightUpdate(version=4, transport="distributed")]
+
+
+def test_only_full_updates_and_known_transports_are_accepted(tmp_path):
+    with pytest.raises(ValueError, match="--update-weight-mode must be one of full, got 'delta'"):
+        RayTrainGroup(_args(tmp_path, update_weight_mode="delta"), 1, 1, pg=None)
+    with pytest.raises(ValueError, match="--update-weight-transport must be one of disk, distributed, tensor"):
+        RayTrainGroup(_args(tmp_path, update_weight_transport="shm"), 1, 1, pg=None)
+    with pytest.raises(ValueError, match="--update-weight-buffer-size must be >= 1, got 0"):
+        RayTrainGroup(_args(tmp_path, update_weight_buffer_size=0), 1, 1, pg=None)
+
+
+def test_the_critics_weights_never_go_to_the_engines(tmp_path, no_ray):
     log: list = []
     group = _group(_args(tmp_path), log)
     group.role = "critic"
-    group.update_weights()
-    assert [call[0] for call in log] == ["rank.update_weights"]
+    with pytest.raises(ValueError, match="only the actor's weights go to the rollout engines"):
+        group.update_weights()
+    assert log == []
 
 
 def test_disk_update_errors_name_the_fix(tmp_path, no_ray):
@@ -119,7 +179,7 @@ def test_disk_update_errors_name_the_fix(tmp_path, no_ray):
     group = _group(_args(tmp_path, update_weight_disk_dir=None), log)
     with pytest.raises(ValueError, match="--update-weight-disk-dir"):
         group.update_weights()
-    assert log == [] and group._disk_weight_version == 3
+    assert log == [] and group._weight_version == 3
     group = _group(_args(tmp_path), log)
     group._rollout_manager = None
     with pytest.raises(RuntimeError, match="rollout manager"):
@@ -130,13 +190,13 @@ def test_failed_export_does_not_advance_the_version(tmp_path, no_ray):
     log: list = []
     group = _group(_args(tmp_path), log)
 
-    def fail():
+    def fail(update):
         raise OSError("disk full")
 
     group._actor_handlers[0].update_weights.behaviour = fail
     with pytest.raises(OSError, match="disk full"):
         group.update_weights()
-    assert group._disk_weight_version == 3
+    assert group._weight_version == 3
     assert not any(call[0] == "manager.update_weights_from_disk" for call in log)
 
 
@@ -168,12 +228,12 @@ def test_manager_registration_only_moves_the_weight_version_forward(tmp_path, no
     register = group._rollout_manager.register_training_actors
     register.behaviour = {"update_weight_start_version": 1, "rollout_engine_urls": ["u"]}
     group._register_with_rollout_manager()
-    assert group._disk_weight_version == 3 and args.update_weight_start_version == 3
+    assert group._weight_version == 3 and args.update_weight_start_version == 3
     assert args.rollout_engine_urls == ["u"]
     register.behaviour = {"update_weight_start_version": 10}
     group._register_with_rollout_manager()
     assert [call.args for call in register.calls] == [("actor", group._actor_handlers)] * 2
-    assert group._disk_weight_version == 10 and args.update_weight_start_version == 10
+    assert group._weight_version == 10 and args.update_weight_start_version == 10
     group._actor_handlers = [_rank(log, args)]  # Ranks initialize after registration, from these args.
     group.update_weights()
     assert (str(tmp_path / "weights" / "weight_v000011"), "11") in [c[1] for c in log]

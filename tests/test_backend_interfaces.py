@@ -29,6 +29,7 @@ from slime.plugin_manager import PluginSelection
 from slime.plugins.cpu_engine import LaunchedEngines as CPULaunchedEngines
 from slime.plugins.cpu_engine import launch_cpu_engines
 from slime.plugins.torch_backend import TorchTrainRayActor
+from slime.weight_sync import WeightUpdate
 
 
 def test_the_builtin_backends_keep_their_contracts():
@@ -60,7 +61,7 @@ class FooActor:
     def save_model(self, rollout_id, force_sync=False):
         pass
 
-    def update_weights(self):
+    def update_weights(self, update):
         pass
 
 
@@ -89,6 +90,13 @@ def test_a_backend_class_that_breaks_the_contract_is_refused_naming_what_it_lack
         def __init__(self, rank):
             self.rank = rank
 
+    class OldUpdate(Trains):
+        def update_weights(self):
+            pass
+
+    with pytest.raises(PluginContractError, match=r"OldUpdate.update_weights\(self\) does not accept the call update_"):
+        check_train_backend(OldUpdate, "x")
+
     with pytest.raises(PluginContractError, match=r"NeedsRank\(\) must be constructible without arguments"):
         check_train_backend(NeedsRank, "x")
     with pytest.raises(PluginContractError, match="must be the class of one training rank"):
@@ -114,7 +122,7 @@ class FooActor:
     def save_model(self, rollout_id, force_sync=False):
         pass
 
-    def update_weights(self):
+    def update_weights(self, update):
         pass
 
 
@@ -179,21 +187,15 @@ def test_the_cpu_engine_serves_the_contract_and_loads_the_torch_backends_export(
             assert isinstance(http.get("/server_info").json(), dict)
             assert http.post("/abort_request", json={"abort_all": True}).status_code == 200
 
-            args = SimpleNamespace(
-                hf_checkpoint=str(model_dir),
-                update_weight_disk_dir=str(tmp_path / "weights"),
-                update_weight_start_version=4,
-                save=None,
-                load=None,
-            )
+            args = SimpleNamespace(hf_checkpoint=str(model_dir), save=None, load=None)
             rank = TorchTrainRayActor(world_size=1, rank=0)
             assert rank.init(args, "actor") == 0
-            rank.update_weights()
-            export = weight_dir(args.update_weight_disk_dir, 5)
+            export = weight_dir(tmp_path / "weights", 5)
+            rank.update_weights(WeightUpdate(version=5, transport="disk", disk_dir=str(export)))
             assert export.is_dir() and list(export.glob("*.safetensors"))
             loaded = http.post("/update_weights_from_disk", json={"model_path": str(export), "weight_version": "5"})
             assert loaded.status_code == 200, loaded.text
-            assert http.get("/get_weight_version").json() == {"weight_version": "5"}
+            assert http.get("/model_info").json()["weight_version"] == "5"
             assert http.post("/generate", json=body).json()["meta_info"]["weight_version"] == "5"
     finally:
         engine.stop()

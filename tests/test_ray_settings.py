@@ -89,7 +89,10 @@ def test_derived_values():
     cluster = ClusterSettings.from_args(SimpleNamespace(use_critic=True, critic_num_nodes=3, kl_coef=0.1))
     assert (cluster.critic_ranks, cluster.with_ref) == (3, True)
     assert TrainGroupSettings.from_args(SimpleNamespace()).disk_weights
-    assert not TrainGroupSettings.from_args(SimpleNamespace(update_weight_transport="nccl")).disk_weights
+    old_name = TrainGroupSettings.from_args(SimpleNamespace(update_weight_transport="nccl"))
+    assert old_name.update_weight_transport == "distributed" and not old_name.disk_weights
+    assert ManagerSettings.from_args(SimpleNamespace()).pause_mode == "abort"
+    assert ManagerSettings.from_args(SimpleNamespace(partial_rollout=True)).pause_mode == "retract"
 
 
 def test_check_run_settings_refuses_a_bad_flag_of_any_component(parser):
@@ -142,7 +145,7 @@ def test_train_group_refuses_bad_settings_at_construction():
     with pytest.raises(ValueError, match="--release-train needs --save"):
         RayTrainGroup(SimpleNamespace(release_train=True), 1, 1, pg=None)
     group = RayTrainGroup(SimpleNamespace(update_weight_start_version=4, save="/ckpt"), 1, 1, pg=None)
-    assert group.settings.update_weight_start_version == 4 and group._disk_weight_version == 4
+    assert group.settings.update_weight_start_version == 4 and group._weight_version == 4
 
 
 def test_the_rollout_manager_class_pickles_for_ray():
@@ -152,3 +155,14 @@ def test_the_rollout_manager_class_pickles_for_ray():
     from slime.ray.rollout import RolloutManager
 
     cloudpickle.dumps(RolloutManager.__ray_metadata__.modified_class)
+
+
+def test_the_command_line_names_weight_transports_by_what_they_do(parser, capsys):
+    args = parser.parse_args(["--update-weight-transport", "distributed", "--update-weight-buffer-size", "1024"])
+    settings = TrainGroupSettings.from_args(args)
+    assert (settings.update_weight_transport, settings.update_weight_buffer_size) == ("distributed", 1024)
+    with pytest.raises(SystemExit):  # "nccl" names a backend, not a transport: the command line refuses it
+        parser.parse_args(["--update-weight-transport", "nccl"])
+    assert "invalid choice: 'nccl' (choose from 'disk', 'distributed', 'tensor')" in capsys.readouterr().err
+    manager = ManagerSettings.from_args(parser.parse_args(["--partial-rollout", "--offload-rollout"]))
+    assert (manager.pause_mode, manager.offload_rollout) == ("retract", True)

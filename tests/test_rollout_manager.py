@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
@@ -144,55 +142,6 @@ def test_in_memory_rollout_data_is_flattened_with_metrics():
     manager.generate_rollout = lambda *a, **kw: 42
     with pytest.raises(TypeError, match="Unsupported rollout output"):
         manager._get_rollout_data(0)
-
-
-class _WeightEngine(BaseHTTPRequestHandler):
-    version = "0"
-    fail = False
-
-    def log_message(self, *args):
-        pass
-
-    def _send(self, status, payload):
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):
-        self._send(200, {"weight_version": type(self).version})
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if type(self).fail:
-            return self._send(400, {"success": False, "message": "bad weights"})
-        type(self).version = body["weight_version"]
-        self._send(200, {"success": True})
-
-
-def test_disk_weight_update_reaches_engines_and_versions_are_checked():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _WeightEngine)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        manager = _bare_manager(SimpleNamespace(), servers={"model": _server([url])}, weight_version=0, train_actors={})
-        assert manager.register_training_actors("actor", ["h"]) == {
-            "update_weight_start_version": 0,
-            "rollout_engine_urls": [url],
-        }
-        manager.update_weights_from_disk("/tmp/weights", "5")
-        assert manager.get_weight_version() == 5
-        _WeightEngine.version = "latest"
-        with pytest.raises(RuntimeError, match="non-numeric weight version"):
-            manager.get_weight_version()
-        _WeightEngine.fail = True
-        with pytest.raises(RuntimeError, match="update_weights_from_disk failed \\(400\\)"):
-            manager.update_weights_from_disk("/tmp/weights", "6")
-    finally:
-        _WeightEngine.fail = False
-        server.shutdown()
-        server.server_close()
 
 
 def test_engine_lock_acquire_release():

@@ -11,6 +11,7 @@ import socket
 import types
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch
 from slime.plugins import torch_checkpoint as ckpt
 from slime.plugins.torch_backend import TorchTrainRayActor
 from slime.plugins.torch_losses import kl_penalty, masked_mean, policy_loss
+from slime.weight_sync import WeightUpdate
 
 PROMPT_LEN, RESPONSE_LEN = 4, 3
 
@@ -54,7 +56,6 @@ def make_args(hf_dir: Path, tmp_path: Path, **overrides) -> types.SimpleNamespac
         save=str(tmp_path / "save"),
         load=None,
         seed=7,
-        update_weight_disk_dir=str(tmp_path / "weights"),
     )
     values.update(overrides)
     return types.SimpleNamespace(**values)
@@ -262,7 +263,6 @@ def test_unsupported_roles_and_estimators_fail_at_init(hf_dir, tmp_path):
         ({"eps_clip": -0.1}, "--eps-clip must be >= 0.0, got -0.1"),
         ({"kl_loss_type": "k9"}, "--kl-loss-type must be one of k1, k2, k3, low_var_kl, got 'k9'"),
         ({"lr_decay_style": "linear"}, "--lr-decay-style linear needs --lr-decay-iters or --num-rollout"),
-        ({"update_weight_transport": "nccl"}, "disk only, not 'nccl' (--update-weight-transport)"),
     ],
 )
 def test_settings_are_validated_at_init_naming_the_flag(hf_dir, tmp_path, overrides, message):
@@ -340,22 +340,52 @@ def test_failed_save_leaves_no_half_directory_and_keeps_the_tracker(hf_dir, tmp_
 def test_disk_weight_export_is_loadable_by_from_pretrained(hf_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    args = make_args(hf_dir, tmp_path, update_weight_start_version=3)
-    actor, _ = start(args)
+    actor, _ = start(make_args(hf_dir, tmp_path))
     actor.train_from_data(0, make_batch())
-    actor.update_weights()
-    target = Path(args.update_weight_disk_dir) / "weight_v000004"
-    assert sorted(p.name for p in Path(args.update_weight_disk_dir).iterdir()) == ["weight_v000004"]
-    loaded = AutoModelForCausalLM.from_pretrained(target)
+    weights = tmp_path / "weights"
+    actor.update_weights(WeightUpdate(4, "disk", disk_dir=str(weights / "weight_v000004")))
+    assert sorted(p.name for p in weights.iterdir()) == ["weight_v000004"]
+    loaded = AutoModelForCausalLM.from_pretrained(weights / "weight_v000004")
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in params(actor).items())
-    assert json.loads((target / "tokenizer.json").read_text()) == {"marker": "tokenizer"}
-    actor.update_weights()
-    assert (Path(args.update_weight_disk_dir) / "weight_v000005" / "model.safetensors").is_file()
+    assert json.loads((weights / "weight_v000004" / "tokenizer.json").read_text()) == {"marker": "tokenizer"}
 
-    with pytest.raises(ValueError, match="--update-weight-disk-dir"):
-        start(make_args(hf_dir, tmp_path, update_weight_disk_dir=None))[0].update_weights()
-    with pytest.raises(ValueError, match="disk only"):
-        start(make_args(hf_dir, tmp_path, update_weight_transport="nccl"))[0].update_weights()
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(RuntimeError, match=r"weight update 5 \(disk\) to .*a-file/weight_v000005 failed"):
+        actor.update_weights(WeightUpdate(5, "disk", disk_dir=str(tmp_path / "a-file" / "weight_v000005")))
+    assert sorted(p.name for p in weights.iterdir()) == ["weight_v000004"]  # nothing half-written
+
+
+@pytest.fixture(scope="module")
+def served_dir(tmp_path_factory) -> Path:
+    """A model the CPU engine serves (with a real tokenizer): the built-in tiny model."""
+    from slime.plugins.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model(tmp_path_factory.mktemp("served") / "tiny")
+
+
+@pytest.mark.parametrize("transport", ["distributed", "tensor"])
+def test_rank_zero_sends_the_trained_weights_to_a_cpu_engine(served_dir, tmp_path, transport):
+    from slime.plugins.cpu_engine_server import EngineServer
+
+    engine = EngineServer(str(served_dir), num_threads=1)
+    try:
+        actor, _ = start(make_args(served_dir, tmp_path))
+        actor.train_from_data(0, make_batch())
+        actor.update_weights(WeightUpdate(6, transport, (engine.url,), bucket_bytes=8192, timeout_s=60))
+        prompt = [1, 2, 3, 4]
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 3, "temperature": 0}, "return_logprob": True}
+        meta = httpx.post(f"{engine.url}/generate", json=body, timeout=60).json()["meta_info"]
+        assert meta["weight_version"] == "6"
+        tokens = [token for _, token, *_ in meta["output_token_logprobs"]]
+        with torch.no_grad():
+            log_probs = torch.log_softmax(actor.model(torch.tensor([prompt + tokens])).logits[0], -1)
+        for i, (log_prob, token, *_) in enumerate(meta["output_token_logprobs"]):
+            assert log_prob == pytest.approx(log_probs[len(prompt) - 1 + i, token].item(), abs=1e-4)
+        engine.stop()
+        with pytest.raises(RuntimeError, match=f"weight update 7 \\({transport}\\) to {engine.url} failed: rollout en"):
+            actor.update_weights(WeightUpdate(7, transport, (engine.url,), timeout_s=10))
+    finally:
+        engine.stop()
 
 
 def test_the_plugin_registers_the_torch_backend():
@@ -379,7 +409,13 @@ def _ddp_worker(rank: int, port: int, hf: str, out: str) -> None:
     shard.update(partition=partition, global_batch_sizes=[4], num_microbatches=[1], micro_batch_indices=[[0, 1]])
     metrics = [actor.train_from_data(step, shard) for step in range(2)]
     actor.save_model(1)
-    torch.save({"params": params(actor), "metrics": metrics}, Path(out) / f"rank{rank}.pt")
+    actor.update_weights(WeightUpdate(2, "distributed"))  # no engines: nothing to send, both ranks return
+    try:  # rank 0 cannot reach the engine (nothing listens on port 9): every rank learns it failed
+        actor.update_weights(WeightUpdate(3, "distributed", ("http://127.0.0.1:9",), timeout_s=5))
+        sent = "sent"
+    except RuntimeError as exc:
+        sent = str(exc)
+    torch.save({"params": params(actor), "metrics": metrics, "sent": sent}, Path(out) / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
 
@@ -394,6 +430,8 @@ def test_two_rank_ddp_over_gloo_keeps_ranks_identical_and_matches_one_process(hf
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     assert all(torch.equal(ranks[0]["params"][k], ranks[1]["params"][k]) for k in ranks[0]["params"])
     assert ranks[0]["metrics"] == ranks[1]["metrics"]
+    assert ranks[0]["sent"].startswith("weight update 3 (distributed) to http://127.0.0.1:9 failed: rollout engine")
+    assert ranks[1]["sent"] == "weight update 3 (distributed) to http://127.0.0.1:9 failed: on rank 0"
     assert {p.name for p in ckpt.iter_dir(tmp_path / "save", 1).glob("rng_state_rank*.pt")} == {
         "rng_state_rank0.pt",
         "rng_state_rank1.pt",

@@ -5,9 +5,14 @@ The group is the driver's handle on a role: it creates the ranks (`create`), fan
 backend's actor class (registry kind "train_backends", `--train-backend`, default "torch"; its contract is
 `slime.backend_interfaces.TrainBackend`), wrapped with `ray.remote` here, one per placement-group bundle.
 
-Disk weight updates (`--update-weight-mode full --update-weight-transport disk`) are counted by the group,
-not by the ranks: version `v` is exported by the ranks to `<update_weight_disk_dir>/weight_v{v:06d}` and then
-the rollout engines reload that directory, so the version never depends on what the ranks return.
+Weight updates are counted by the group, not by the ranks, from `update_weight_start_version`: every rank gets
+the update's `slime.weight_sync.WeightUpdate` (`TrainBackend.update_weights(update)`), so the version never
+depends on what the ranks return. With `--update-weight-transport disk` the ranks export version `v` to
+`<update_weight_disk_dir>/weight_v{v:06d}` and the rollout manager has the engines load it; with "distributed"
+or "tensor" the manager first pauses the engines and names the live ones (`prepare_weight_update`), the rank
+holding the full weights sends them (`slime.weight_sync.send_weights`), and the manager checks that every
+engine serves `v` and lets them generate again (`finish_weight_update`). A group made without a rollout
+manager (tools, tests) has no engines: its ranks get updates with no engine URLs.
 
 With `--release-train` the ranks are killed after every weight export and re-created (`create`) for the
 next step from the checkpoint the last `save_model` wrote.
@@ -30,6 +35,7 @@ import ray
 
 from slime.backend_interfaces import weight_dir
 from slime.ray.settings import TrainGroupSettings
+from slime.weight_sync import WeightUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +78,7 @@ class RayTrainGroup:
         self._num_gpus_per_actor = num_gpus_per_actor
         self._actor_cls = actor_cls
         self._rollout_manager: Any = None
-        self._disk_weight_version = self.settings.update_weight_start_version
+        self._weight_version = self.settings.update_weight_start_version
         self._actor_handlers: list[Any] = []
 
     @property
@@ -87,7 +93,7 @@ class RayTrainGroup:
             self._rollout_manager = rollout_manager
         if self._actor_handlers:
             return None
-        self.args.update_weight_start_version = self._disk_weight_version
+        self.args.update_weight_start_version = self._weight_version
         self._allocate_gpus_for_actor(self._pg, self._num_gpus_per_actor)
         return ray.get(
             [
@@ -162,8 +168,8 @@ class RayTrainGroup:
             return
         for key, value in dict(config).items():
             if key == "update_weight_start_version":
-                value = max(int(value or 0), self._disk_weight_version)
-                self._disk_weight_version = value
+                value = max(int(value or 0), self._weight_version)
+                self._weight_version = value
             setattr(self.args, key, value)
 
     # ----------------------------------------------------------------- training
@@ -185,23 +191,42 @@ class RayTrainGroup:
 
     # ------------------------------------------------------------ weight update
 
-    def _uses_disk_weights(self) -> bool:
-        return self.role == "actor" and self.settings.disk_weights
-
     def update_weights(self) -> None:
-        """Push the current weights to the rollout engines."""
-        if not self._uses_disk_weights():
-            ray.get([actor.update_weights.remote() for actor in self._actor_handlers])
+        """Push the current weights to the rollout engines as the next version (see the module docstring)."""
+        if self.role != "actor":
+            raise ValueError(f"only the actor's weights go to the rollout engines, not the {self.role}'s")
+        settings = self.settings
+        version = self._weight_version + 1
+        if settings.disk_weights:
+            self._update_weights_through_disk(version)
             return
+        manager = self._rollout_manager
+        urls = ray.get(manager.prepare_weight_update.remote()) if manager is not None else []
+        update = WeightUpdate(
+            version=version,
+            transport=settings.update_weight_transport,
+            engine_urls=tuple(urls),
+            bucket_bytes=settings.update_weight_buffer_size,
+            timeout_s=settings.http_timeout_s,
+        )
+        ray.get([actor.update_weights.remote(update) for actor in self._actor_handlers])
+        self._weight_version = version
+        if manager is not None:
+            ray.get(manager.finish_weight_update.remote(version))
+        if settings.release_train:
+            self.release()
+
+    def _update_weights_through_disk(self, version: int) -> None:
+        """The ranks export `version`; the rollout manager has the engines load it; the export is removed."""
         disk_dir = self.settings.update_weight_disk_dir
         if not disk_dir:
             raise ValueError(
                 "--update-weight-transport disk needs --update-weight-disk-dir (a directory trainers and engines share)"
             )
-        version = self._disk_weight_version + 1
         directory = weight_dir(disk_dir, version)
-        ray.get([actor.update_weights.remote() for actor in self._actor_handlers])
-        self._disk_weight_version = version
+        update = WeightUpdate(version=version, transport="disk", disk_dir=str(directory))
+        ray.get([actor.update_weights.remote(update) for actor in self._actor_handlers])
+        self._weight_version = version
         if self.settings.release_train:
             self.release()
         self._reload_rollout_weights_from_disk(directory, str(version))

@@ -6,6 +6,12 @@ run's transport session, has the transport accept the step, plans and converts t
 run's transport's (`slime.interfaces.Transport`); the manager holds its service (`self.controller`, None for
 transports without one) and passes it back. With a serving cluster (`serving=`), engines and the transport's
 service belong to the cluster: the manager borrows them and never disposes them.
+
+Between steps it drives the engines' side of a weight update (`RayTrainGroup.update_weights`):
+`prepare_weight_update` relaunches dead engines, resumes released memory and pauses generation;
+`finish_weight_update` checks every engine's weight version and lets them generate again (a disk update runs
+`update_weights_from_disk` between the two). With `--offload-rollout` engines release their memory after each
+step (`generate`) and take it back before the next weight update or generation.
 """
 
 from __future__ import annotations
@@ -17,6 +23,14 @@ from typing import Any
 
 import ray
 
+from slime.engine_control import (
+    check_weight_version,
+    continue_generation,
+    pause_generation,
+    post_engines,
+    release_memory_occupation,
+    resume_memory_occupation,
+)
 from slime.interfaces import Transport, rollout_session_scope, run_transport
 from slime.observability import logging_utils
 from slime.observability.logging_utils import configure_logger, init_tracking, log_eval_rollout_data, log_rollout_data
@@ -49,6 +63,8 @@ class RolloutManager:
     controller: Any = None
     #: The (engine URLs, router URL) last published into `self.args` (None: nothing published yet).
     _published_engines: tuple[list[str], str | None] | None = None
+    #: Engines that released their memory after the last rollout step (`--offload-rollout`).
+    _released_urls: frozenset[str] = frozenset()
 
     def __init__(
         self, args: Any, pg: Any, *, restore_plan: Any = None, serving: Any = None, deployment: Any = None
@@ -183,9 +199,11 @@ class RolloutManager:
         start_time = time.time()
         self.rollout_id = rollout_id
         self.batch_builder.rollout_id = rollout_id
+        self._resume_engine_memory()
         self.health_monitoring_resume()
         result = self._generate(rollout_id, start_time)
         self._finish_rollout()
+        self._release_engine_memory()
         return result
 
     def eval(self, rollout_id: int) -> None:
@@ -193,6 +211,7 @@ class RolloutManager:
         if self.settings.debug_train_only:
             return
         self.rollout_id = rollout_id
+        self._resume_engine_memory()
         self.health_monitoring_resume()
         with rollout_session_scope(self.transport.rollout_session(self.controller)):
             result = call_rollout_fn(self.eval_generate_rollout, args, rollout_id, self.data_source, evaluation=True)
@@ -315,33 +334,67 @@ class RolloutManager:
         """The live engines' URLs (engines marked dead are left out until they are relaunched)."""
         return [url for server in self.servers.values() for url in live_urls(server)]
 
-    def _post_engines(self, endpoint: str, payload: dict) -> list[dict]:
-        import httpx
+    def _updatable_urls(self) -> list[str]:
+        """The live URLs of the engines that receive weight updates."""
+        return [
+            url
+            for server in self.servers.values()
+            if getattr(server, "update_weights", False)
+            for url in live_urls(server)
+        ]
 
-        results = []
-        with httpx.Client(timeout=self.settings.http_timeout_s) as client:
-            for url in self.engine_urls():
-                response = client.post(f"{url}/{endpoint}", json=payload)
-                if response.status_code != 200:
-                    raise RuntimeError(f"Engine {url}/{endpoint} failed ({response.status_code}): {response.text}")
-                results.append(response.json() if response.content else {})
-        return results
+    # ------------------------------------------------------------ weight updates
 
-    def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
-        """Have every engine load the exported weights at `model_path` as `weight_version`.
-
-        Dead engines are relaunched first, so a relaunched engine serves these weights from the next step
-        on; once every engine holds them, none is waiting for a weight connection (`num_new_engines` = 0).
-        """
+    def prepare_weight_update(self) -> list[str]:
+        """Before the training ranks send weights: relaunch dead engines (a relaunched engine then serves these
+        weights from the next step on), give engines that released their memory (`--offload-rollout`) their
+        memory back and pause generation everywhere (`--partial-rollout`: mode "retract", else "abort").
+        Returns the URLs of the engines to send the weights to."""
         self.recover_updatable_engines()
         self._publish_engine_urls()
-        self._post_engines("update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version})
+        self._resume_engine_memory()
+        urls = self._updatable_urls()
+        pause_generation(urls, self.settings.pause_mode, self.settings.http_timeout_s)
+        return urls
+
+    def finish_weight_update(self, version: int) -> None:
+        """After weight `version` was sent: check that every engine serves it (an error naming the engines that
+        do not), then let them generate again. No engine waits for a weight connection any more
+        (`num_new_engines` = 0)."""
+        urls = self._updatable_urls()
+        check_weight_version(urls, version, self.settings.http_timeout_s)
         if self.serving is not None:
             ray.get(self.serving.clear_updatable_num_new_engines.remote())
         for server in self.servers.values():
             if getattr(server, "update_weights", False):
                 server.num_new_engines = 0
-        self.weight_version = int(weight_version)
+        self.weight_version = int(version)
+        continue_generation(urls, self.settings.http_timeout_s)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        """Have every engine load the exported weights at `model_path` as `weight_version`, between
+        `prepare_weight_update` and `finish_weight_update`."""
+        urls = self.prepare_weight_update()
+        body = {"model_path": model_path, "weight_version": weight_version}
+        post_engines(urls, "/update_weights_from_disk", body, self.settings.http_timeout_s)
+        self.finish_weight_update(int(weight_version))
+
+    def _release_engine_memory(self) -> None:
+        """`--offload-rollout`: after a rollout step, every engine frees its device memory for the trainers."""
+        if not self.settings.offload_rollout:
+            return
+        urls = self.engine_urls()
+        release_memory_occupation(urls, self.settings.http_timeout_s)
+        self._released_urls = frozenset(urls)
+
+    def _resume_engine_memory(self) -> None:
+        """Engines that released their memory take it back (before a weight update, or a generation that comes
+        without one); relaunched engines never released theirs."""
+        if not self._released_urls:
+            return
+        released = [url for url in self.engine_urls() if url in self._released_urls]
+        self._released_urls = frozenset()
+        resume_memory_occupation(released, self.settings.http_timeout_s)
 
     def get_weight_version(self) -> int:
         """The version the engines serve (the serving cluster's answer when attached to one)."""

@@ -148,21 +148,13 @@ def router_add_worker(router: Any, url: str) -> None:
 
 
 def engine_weight_version(urls: list[str], *, allow_inconsistent: bool = False) -> int | None:
-    """The weight version all engines at `urls` serve (`/get_weight_version`); None without engines.
+    """The weight version all engines at `urls` serve (`GET /model_info` "weight_version"); None without engines.
 
     Inconsistent or non-numeric versions are an error (unless `allow_inconsistent`: then the oldest).
     """
-    import httpx
+    from slime.engine_control import engine_weight_versions
 
-    versions = set()
-    for url in urls:
-        try:
-            response = httpx.get(f"{url}/get_weight_version", timeout=30)
-            response.raise_for_status()
-        except httpx.HTTPError as exc:
-            raise RuntimeError(f"Cannot read the weight version of engine {url}: {exc}") from exc
-        info = response.json()
-        versions.add(str(info.get("weight_version") if isinstance(info, dict) else info))
+    versions = set(engine_weight_versions(urls, timeout=30).values())
     if not versions:
         return None
     try:

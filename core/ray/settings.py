@@ -5,7 +5,7 @@ groups read from the run's arguments, each built once and validated there.
 - `ClusterSettings`: the training ranks' placement and creation (`slime.ray.placement_group`);
 - `ServingSettings`: the engines and router `launch_rollout_servers` starts (`slime.ray.serving`);
 - `ManagerSettings`: the rollout manager (`slime.ray.rollout.RolloutManager`);
-- `TrainGroupSettings`: one training role's group (`slime.ray.actor_group.RayTrainGroup`);
+- `TrainGroupSettings`: one training role's group and its weight updates (`slime.ray.actor_group.RayTrainGroup`);
 - `InputSettings`: the model directory and prompt file `check_run_inputs` checks before Ray starts.
 
 Errors name the flag ("--save-interval must be >= 1, got 0"). Attributes `args` lacks, or holds as None, take the
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from slime.ray.router import ROUTER_CHOICES
 from slime.utils.settings import Settings, option, options_from_args
+from slime.weight_sync import DEFAULT_BUCKET_BYTES, TRANSPORTS, canonical_transport
 
 if TYPE_CHECKING:
     from slime.plugin_manager import PluginSelection
@@ -126,6 +127,10 @@ class ManagerSettings(Settings):
     batch_size: int = option("rollout_batch_size", 8, convert=int, minimum=1)
     #: Seconds a request to an engine may take (weight updates).
     http_timeout_s: float = option("rollout_http_timeout", 600.0, convert=float, above=0.0)
+    #: Pause engines with mode "retract" rather than "abort" for weight updates.
+    partial_rollout: bool = option("partial_rollout", False)
+    #: Engines release their memory after each rollout step and take it back before the next weight update.
+    offload_rollout: bool = option("offload_rollout", False)
     #: Path templates (`{rollout_id}`) to dump every step's rollout to, and to replay steps from.
     save_debug_rollout_data: str | None = option("save_debug_rollout_data")
     load_debug_rollout_data: str | None = option("load_debug_rollout_data")
@@ -142,6 +147,12 @@ class ManagerSettings(Settings):
         if subsample is not None and subsample > 1:
             raise ValueError(f"--load-debug-rollout-data-subsample must be in (0, 1], got {subsample}")
 
+    @property
+    def pause_mode(self) -> str:
+        """How engines pause for a weight update: "retract" keeps running requests (`--partial-rollout`), to finish
+        with the new weights; "abort" ends them."""
+        return "retract" if self.partial_rollout else "abort"
+
     @classmethod
     def from_args(cls, args: Any) -> ManagerSettings:
         """The settings of `args`; ValueError naming the flag when one is out of range."""
@@ -152,18 +163,26 @@ class ManagerSettings(Settings):
 
 @dataclass(frozen=True)
 class TrainGroupSettings(Settings):
-    """One training role's group: weight updates and `--release-train` (see `slime-run --help`)."""
+    """One training role's group: weight updates (`slime.weight_sync.WeightUpdate`) and `--release-train` (see
+    `slime-run --help`)."""
 
     #: Set by the framework (checkpoint restore, the rollout manager): the weight version engines serve.
     update_weight_start_version: int = option("update_weight_start_version", 0, convert=int, minimum=0)
-    update_weight_mode: str = option("update_weight_mode", "full")
-    update_weight_transport: str = option("update_weight_transport", "disk")
+    update_weight_mode: str = option("update_weight_mode", "full", choices=("full",))
+    #: One of `slime.weight_sync.TRANSPORTS`; "nccl", the old name of "distributed", is read as it.
+    update_weight_transport: str = option(
+        "update_weight_transport", "disk", convert=canonical_transport, choices=TRANSPORTS
+    )
+    #: Bytes per bucket of a distributed or tensor update.
+    update_weight_buffer_size: int = option("update_weight_buffer_size", DEFAULT_BUCKET_BYTES, convert=int, minimum=1)
     update_weight_disk_dir: str | None = option("update_weight_disk_dir")
     update_weight_disk_keep_files: bool = option("update_weight_disk_keep_files", False)
     #: Kill the ranks after each weight export; they are re-created from the checkpoint saved every step.
     release_train: bool = option("release_train", False)
     save: str | None = option("save")
     no_save_optim: bool = option("no_save_optim", False)
+    #: Seconds any one wait on an engine (a request, joining the update's group, a broadcast) may take.
+    http_timeout_s: float = option("rollout_http_timeout", 600.0, convert=float, above=0.0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -172,8 +191,8 @@ class TrainGroupSettings(Settings):
 
     @property
     def disk_weights(self) -> bool:
-        """Full weights travel through `--update-weight-disk-dir` (the group counts their versions)."""
-        return self.update_weight_mode == "full" and self.update_weight_transport == "disk"
+        """Weights travel through `--update-weight-disk-dir` (the rollout manager has the engines load them)."""
+        return self.update_weight_transport == "disk"
 
 
 @dataclass(frozen=True)
