@@ -43,12 +43,22 @@ def _wait_for(predicate, timeout: float, what: str):
 class _FakeEngine:
     """An SGLang-protocol stand-in on 127.0.0.1 whose answers a test scripts.
 
-    `/health` answers the statuses in `health_script` first, then `health`; `generate(count)` returns what
-    the `count`-th `/generate` answers: `(status, body_bytes)`.
+    `/health_generate` answers the statuses in `health_script` first, then `health`, after `health_delay_s`;
+    `/v1/loads` reports `running` requests in flight; `generate(count)` returns what the `count`-th `/generate`
+    answers: `(status, body_bytes)`.
     """
 
-    def __init__(self, generate=None, health: int = 200, health_script: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        generate=None,
+        health: int = 200,
+        health_script: tuple[int, ...] = (),
+        health_delay_s: float = 0.0,
+        running: int = 0,
+    ) -> None:
         self.health = health
+        self.health_delay_s = health_delay_s
+        self.running = running
         self.health_script = list(health_script)
         self.generate = generate or (lambda count: (200, json.dumps(GOOD_REPLY).encode()))
         self.health_hits = 0
@@ -68,7 +78,11 @@ class _FakeEngine:
                 self.wfile.write(body)
 
             def do_GET(self):
-                if self.path == "/health":
+                if self.path == "/v1/loads":
+                    loads = [{"dp_rank": 0, "num_running_reqs": engine.running, "num_waiting_reqs": 0}]
+                    return self._send(200, json.dumps({"loads": loads}).encode())
+                if self.path == "/health_generate":
+                    time.sleep(engine.health_delay_s)
                     with engine.lock:
                         engine.health_hits += 1
                         status = engine.health_script.pop(0) if engine.health_script else engine.health
@@ -229,7 +243,7 @@ def test_monitor_marks_an_engine_dead_after_consecutive_failures_only(fake_engin
         assert flapping.health_hits == 6  # dead at the third failure in a row, and never probed again
         assert server.all_engines[1] == "engine-1" and steady.health_hits >= 6
         assert f"Rollout engine {flapping.url} (model slot 0) is dead after 3 consecutive" in caplog.text
-        assert "/health answered 503" in caplog.text
+        assert "/health_generate answered 503" in caplog.text
         assert live_urls(server) == [steady.url]
 
         monitor.pause()
@@ -243,6 +257,18 @@ def test_monitor_marks_an_engine_dead_after_consecutive_failures_only(fake_engin
         assert live_urls(server) == []
     finally:
         monitor.stop()
+
+
+def test_a_slow_health_generation_is_healthy_only_while_the_engine_reports_work(fake_engines):
+    from slime.ray.health_monitor import probe_engine
+
+    busy = fake_engines(health_delay_s=0.5, running=3)
+    idle = fake_engines(health_delay_s=0.5, running=0)
+    assert probe_engine(busy.url, timeout_s=0.2) is None
+    reason = probe_engine(idle.url, timeout_s=0.2)
+    assert reason is not None and "did not answer within 0.2 s and the engine reports no work" in reason
+    assert "answered 503" in probe_engine(fake_engines(health=503).url, timeout_s=1.0)
+    assert probe_engine(_closed_port_url(), timeout_s=1.0).startswith("ConnectError")
 
 
 def test_health_settings_reject_nonpositive_values():

@@ -1,4 +1,4 @@
-"""Engine health monitors: one background thread per rollout server polls every live engine's `/health`.
+"""Engine health monitors: one background thread per rollout server probes every live engine (`probe_engine`).
 
 An engine that crashed (killed, out of memory) or hangs must stop receiving requests and be relaunched
 before the next weight update. After `--rollout-health-check-failures` consecutive failed checks (each
@@ -60,23 +60,48 @@ class HealthSettings:
 
 
 def probe_engine(url: str, timeout_s: float, client: Any = None) -> str | None:
-    """None when `GET {url}/health` answers 200 within `timeout_s`, else why not.
+    """None when the engine at `url` is healthy, else why not.
 
-    Pass a long-lived `httpx.Client`: a fresh one per probe builds an SSL context each time, which cost the
-    rollout manager about a tenth of its CPU at one boundary check per step.
+    Healthy: `GET /health_generate` (a real one-token generation, so a hung scheduler fails it) answers 200
+    within `timeout_s`; or it does not, but `GET /v1/loads` answers within `timeout_s` with requests running or
+    waiting: the engine is busy, not dead (SGLang answers /v1/loads from its scheduler too, so a hung one fails
+    both). Pass a long-lived `httpx.Client`: a fresh one per probe builds an SSL context each time, which cost
+    the rollout manager about a tenth of its CPU at one boundary check per step.
     """
     import httpx
 
+    client = client or httpx
     try:
-        if client is None:
-            response = httpx.get(f"{url}/health", timeout=timeout_s)
-        else:
-            response = client.get(f"{url}/health", timeout=timeout_s)
+        response = client.get(f"{url}/health_generate", timeout=timeout_s)
+    except httpx.TimeoutException as exc:
+        busy = _busy_requests(url, timeout_s, client)
+        if busy:
+            logger.info(
+                "Rollout engine %s is busy (%d requests in flight): health generation took over %gs",
+                url,
+                busy,
+                timeout_s,
+            )
+            return None
+        detail = exc or "timeout"
+        return f"/health_generate did not answer within {timeout_s:g} s and the engine reports no work ({detail})"
     except httpx.HTTPError as exc:
         return f"{type(exc).__name__}: {exc or 'no detail'}"
     if response.status_code != 200:
-        return f"/health answered {response.status_code}: {response.text[:200]}"
+        return f"/health_generate answered {response.status_code}: {response.text[:200]}"
     return None
+
+
+def _busy_requests(url: str, timeout_s: float, client: Any) -> int:
+    """Requests running or waiting on the engine per `GET /v1/loads` (0 when it does not answer in time)."""
+    import httpx
+
+    try:
+        response = client.get(f"{url}/v1/loads", timeout=timeout_s)
+        loads = response.json().get("loads", []) if response.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return 0  # no answer (or not the protocol's shape) is the probe's failure, reported by the caller
+    return sum(int(load.get("num_running_reqs", 0)) + int(load.get("num_waiting_reqs", 0)) for load in loads)
 
 
 class EngineHealthMonitor:
