@@ -67,10 +67,11 @@ def test_bad_values_are_refused_naming_the_flag(settings_class, values, message)
         (["--cpu-engine-num-threads", "0"], "--cpu-engine-num-threads must be >= 1, got 0"),
     ],
 )
-def test_plugins_refuse_bad_flags_when_the_arguments_are_parsed(tmp_path, flag, message):
+def test_plugins_refuse_bad_flags_when_the_arguments_are_parsed(tmp_path, capsys, flag, message):
     argv = ["--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", str(tmp_path / "p.jsonl"), *flag]
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(SystemExit):
         parse_args(argv)
+    assert f"slime-run: error: {message}" in capsys.readouterr().err
 
 
 def test_initial_configuration_records_the_parsed_values_under_the_flags_names(parser):

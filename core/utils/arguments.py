@@ -9,6 +9,7 @@ line is parsed. `args.plugin_selection` carries the selection to Ray actors.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ from slime.plugin_manager import (
     named_plugin_defaults,
 )
 from slime.ray.router import ROUTER_CHOICES, sglang_router_available
+from slime.weight_sync import DEFAULT_BUCKET_BYTES, TRANSPORTS
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +110,18 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     rollout.add_argument("--sglang-server-concurrency", type=int, default=64)
     rollout.add_argument(
+        "--partial-rollout",
+        action="store_true",
+        help="keep partial generations across weight updates: engines pause with mode 'retract' (running requests "
+        "wait and finish with the new weights) instead of 'abort'",
+    )
+    rollout.add_argument(
+        "--offload-rollout",
+        action="store_true",
+        help="for engines that share devices with the trainers: after each rollout step the engines release their "
+        "weights' and KV cache's memory (/release_memory_occupation) and take it back before the next weight update",
+    )
+    rollout.add_argument(
         "--rollout-http-timeout",
         type=float,
         default=600.0,
@@ -180,8 +194,26 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="kill the training ranks after each weight export and re-create them, from the checkpoint saved every "
         "step, before the next step trains (frees their memory while the engines generate)",
     )
-    train.add_argument("--update-weight-mode", default="full")
-    train.add_argument("--update-weight-transport", default="disk", choices=["disk", "nccl", "tensor"])
+    train.add_argument(
+        "--update-weight-mode",
+        default="full",
+        choices=["full"],
+        help="full: every weight goes to the engines at every update (the only mode implemented)",
+    )
+    train.add_argument(
+        "--update-weight-transport",
+        default="disk",
+        choices=list(TRANSPORTS),
+        help="how weights reach the engines after each step: disk (an export under --update-weight-disk-dir that "
+        "the engines load), distributed (a torch.distributed broadcast from training rank 0 to every engine rank: "
+        "gloo, NCCL when training on GPUs), tensor (shared memory; engines on training rank 0's machine only)",
+    )
+    train.add_argument(
+        "--update-weight-buffer-size",
+        type=int,
+        default=DEFAULT_BUCKET_BYTES,
+        help="bytes of weights per bucket (distributed and tensor updates); a larger tensor travels alone",
+    )
     train.add_argument("--update-weight-disk-dir", default=None)
     train.add_argument(
         "--update-weight-disk-keep-files",
@@ -315,7 +347,14 @@ def _refuse_unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str],
         name, blocked = owner
         fix = f"remove -p no:{name}" if blocked else f"add --plugin {name}"
         parser.error(f"{option} belongs to plugin {name!r}, which is not loaded ({fix})")
-    parser.error(f"unrecognized arguments: {' '.join(extras)}")
+    known = [option for action in parser._actions for option in action.option_strings]
+    hints = []
+    for token in extras:
+        option = token.split("=", 1)[0]
+        close = difflib.get_close_matches(option, known, n=1, cutoff=0.8) if option.startswith("--") else []
+        if close:
+            hints.append(f"{option}: did you mean {close[0]}?")
+    parser.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else ""))
 
 
 def _explicit_options(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> frozenset[str]:
@@ -352,7 +391,10 @@ def parse_args(argv: Sequence[str] | None = None, *, return_restore_plan: bool =
         args.data_source_path = registry.get("transports", args.rollout_data_transport).data_source
     if args.rollout_data_compression == "none":
         args.rollout_data_compression = None
-    pm.hook.slime_configure(args=args)
+    try:
+        pm.hook.slime_configure(args=args)
+    except ValueError as exc:  # the hook's contract: a user's bad input, naming the flag to fix
+        parser.error(str(exc))
     _check_named_options(parser, args, registry)
     if args.rollout_router == "sglang-router" and not sglang_router_available():
         parser.error(
