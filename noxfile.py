@@ -3,9 +3,10 @@
 Sessions reuse the torch already installed on the machine (venvs see system site packages), so no
 session ever downloads a CUDA build of torch: install it first with `pip install torch==2.13.0`.
 
-    nox                      lint + tests + e2e (the CI default)
+    nox                      lint + tests + e2e + sglang (the CI default)
     nox -s "transport(straw)"  the transport conformance suite of one transport (object-store, nixl, straw)
     nox -s e2e               end-to-end CPU runs (slow)
+    nox -s sglang            the SGLang engine plugin against real SGLang 0.5.19 servers on CPU (own venv)
     nox -s bench             benchmarks/: transport.py and e2e.py (JSON reports under benchmarks/results/)
 """
 
@@ -15,7 +16,7 @@ import xml.etree.ElementTree as ElementTree
 
 import nox
 
-nox.options.sessions = ["lint", "tests", "e2e"]
+nox.options.sessions = ["lint", "tests", "e2e", "sglang"]
 nox.options.reuse_existing_virtualenvs = True
 
 VENV = {"venv_backend": "venv", "venv_params": ["--system-site-packages"]}
@@ -51,7 +52,7 @@ def tests(session: nox.Session) -> None:
         "-m",
         "pytest",
         "-m",
-        "not gpu and not e2e",
+        "not gpu and not e2e and not sglang",
         "--timeout=600",
         *session.posargs,
         env={"HF_HUB_OFFLINE": "1"},
@@ -89,7 +90,35 @@ def transport_conformance(session: nox.Session, transport: str) -> None:
 @nox.session(**VENV)
 def e2e(session: nox.Session) -> None:
     _install_suite(session)
-    session.run("python", "-m", "pytest", "-m", "e2e", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+    session.run("python", "-m", "pytest", "-m", "e2e and not sglang", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+
+
+SGLANG_CONSTRAINTS = "requirements/sglang-cpu-constraints.txt"
+
+
+@nox.session(**VENV)
+def sglang(session: nox.Session) -> None:
+    """The SGLang engine plugin's tests (tests/sglang_engine, marker `sglang`) against real SGLang servers on CPU.
+
+    A virtualenv of its own: SGLang 0.5.19 pins transformers 5.12.1, older than the project's. SGLang is installed
+    without its CUDA dependencies plus what its CPU path imports (requirements/sglang-cpu.txt), with constraints
+    that keep the machine's torch 2.13.0; the project goes in with the same constraints.
+    """
+    session.run("python", "-c", "import torch", silent=True)
+    session.install("--no-deps", "sglang==0.5.19", "-c", SGLANG_CONSTRAINTS)
+    session.install("-r", "requirements/sglang-cpu.txt", "-c", SGLANG_CONSTRAINTS)
+    session.install("-e", ".[cpu,test,router]", "-c", SGLANG_CONSTRAINTS)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "tests/sglang_engine",
+        "-m",
+        "sglang",
+        "--timeout=900",
+        *session.posargs,
+        env={"HF_HUB_OFFLINE": "1"},
+    )
 
 
 @nox.session(**VENV)

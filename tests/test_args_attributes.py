@@ -173,7 +173,8 @@ def parser():
 
 @pytest.fixture(scope="module")
 def destinations(parser) -> set[str]:
-    return {action.dest for action in parser._actions}
+    """Every destination the parser sets: its options' and those given a parser-level default (`set_defaults`)."""
+    return {action.dest for action in parser._actions} | set(parser._defaults)
 
 
 SCANNED_EXAMPLE = """

@@ -45,6 +45,32 @@ FOREIGN_FLAGS = {
     "--native",
     # a third-party transport's own option, in the example of slime.testing's docstring
     "--my-transport-dir",
+    # `pip install --no-deps` (installing SGLang on CPU: docs/sglang.md, slime.plugins.sglang_engine)
+    "--no-deps",
+    # the option-table helper subprocess of slime.plugins.sglang_engine.server_args
+    "--check",
+    "--table",
+    # "--sglang-<name>": the placeholder of every SGLang option
+    "--sglang",
+}
+
+#: `sglang.launch_server` options our code sets or our docs quote (also valid as `--sglang-<name>` on slime-run);
+#: where SGLang is installed, its own option table is checked too.
+SGLANG_SERVER_FLAGS = {
+    "--context-length",
+    "--cuda-graph-backend-decode",
+    "--cuda-graph-backend-prefill",
+    "--device",
+    "--disable-cuda-graph",
+    "--host",
+    "--max-total-tokens",
+    "--mem-fraction-static",
+    "--model",
+    "--model-path",
+    "--random-seed",
+    "--skip-server-warmup",
+    "--tensor-parallel-size",
+    "--tp-size",
 }
 
 
@@ -93,7 +119,16 @@ def _known_options() -> set[str]:
     archive = argparse.ArgumentParser(prog="slime-run")
     add_archive_parser(archive.add_subparsers())
     commands = _option_strings(run) | _option_strings(archive)
-    return commands | _benchmark_options() | _pytest_plugin_options() | FOREIGN_FLAGS
+    return commands | _benchmark_options() | _pytest_plugin_options() | FOREIGN_FLAGS | _sglang_options()
+
+
+def _sglang_options() -> set[str]:
+    """SGLang's server options, bare and as slime-run's `--sglang-<name>` (installed SGLang's table, if any)."""
+    from slime.plugins.sglang_engine.server_args import PREFIX, option_table
+
+    table = {flag for entry in option_table() for flag in entry["option_strings"] if flag.startswith("--")}
+    bare = SGLANG_SERVER_FLAGS | table
+    return bare | {PREFIX + flag[2:] for flag in bare}
 
 
 def test_the_scan_finds_flags_in_messages_docstrings_and_docs():
@@ -115,6 +150,8 @@ def test_foreign_flags_are_not_ours_and_are_still_referenced():
     referenced = set(_referenced_flags())
     assert not FOREIGN_FLAGS & ours
     assert FOREIGN_FLAGS <= referenced, f"no longer referenced: {sorted(FOREIGN_FLAGS - referenced)}"
+    bare = referenced | {"--" + flag.removeprefix("--sglang-") for flag in referenced if flag.startswith("--sglang-")}
+    assert SGLANG_SERVER_FLAGS <= bare, f"no longer referenced: {sorted(SGLANG_SERVER_FLAGS - bare)}"
 
 
 def test_brace_lists_expand():

@@ -248,7 +248,7 @@ def test_a_plain_string_registered_as_several_kinds_is_ambiguous(fake_plugin):
         (["--rollout-function-path", "math"], "--rollout-function-path: 'math' is a reward function, not a rollout"),
         (["--eval-function-path", "prompts"], "--eval-function-path: 'prompts' is a data source, not a rollout func"),
         (["--checkpoint-policy", "hourly"], "--checkpoint-policy: No checkpoint policy named 'hourly'"),
-        (["--rollout-engine", "sglang"], "--rollout-engine: 'sglang' is a rollout function, not a rollout engine"),
+        (["--rollout-engine", "fully-async"], "--rollout-engine: 'fully-async' is a rollout function, not a rollout"),
         (["--train-backend", "megatron"], "--train-backend: No train backend named 'megatron'"),
     ],
 )

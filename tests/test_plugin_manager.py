@@ -194,6 +194,8 @@ def _source_packages() -> list[str]:
     for top, package in (("core", "slime"), ("plugins", "slime.plugins"), ("transports", "slime.transports")):
         for init in sorted((ROOT / top).rglob("__init__.py")):
             relative = init.parent.relative_to(ROOT / top)
+            if "cpu_standins" in relative.parts:
+                continue  # package data: top-level stand-in packages put on SGLang servers' PYTHONPATH
             packages.append(".".join([package, *relative.parts]))
     return packages
 
