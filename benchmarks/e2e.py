@@ -49,9 +49,10 @@ def _log(message: str) -> None:
     print(f"[e2e] {message}", file=sys.stderr, flush=True)
 
 
-def demo_args(transport: str, steps: int, save: Path, save_interval: int) -> list[str]:
-    """The `slime-run` arguments of one benchmark run: the built-in demo with `transport`."""
+def demo_args(transport: str, steps: int, save: Path, save_interval: int, extra: tuple[str, ...] = ()) -> list[str]:
+    """The `slime-run` arguments of one benchmark run: the built-in demo with `transport` (and `extra` options)."""
     return [
+        *extra,
         "--rollout-data-transport",
         transport,
         "--num-rollout",
@@ -84,12 +85,15 @@ def step_breakdown(steps: list[dict[str, Any]]) -> dict[str, float]:
     return means
 
 
-def run_demo(transport: str, steps: int, save_interval: int, workdir: Path, label: str) -> dict[str, Any]:
-    """One fresh demo run; its per-step metrics and timestamps."""
+def run_demo(
+    transport: str, steps: int, save_interval: int, workdir: Path, label: str, extra: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """One fresh demo run (with `extra` slime-run options); its per-step metrics and timestamps."""
     save = workdir / label
     log = workdir / f"{label}.log"
-    _log(f"{label}: slime-run {' '.join(demo_args(transport, steps, save, save_interval))}")
-    run = SlimeRunProcess(demo_args(transport, steps, save, save_interval), log, cwd=workdir)
+    argv = demo_args(transport, steps, save, save_interval, extra)
+    _log(f"{label}: slime-run {' '.join(argv)}")
+    run = SlimeRunProcess(argv, log, cwd=workdir)
     run.finish(RUN_TIMEOUT_S)
     per_step = steps_from_metrics(save / "metrics.jsonl")
     missing = [s for s in range(steps) if "perf/step_time" not in per_step.get(s, {})]
