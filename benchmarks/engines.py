@@ -1,7 +1,7 @@
 """`python -m benchmarks.engines`: step time of the CPU demo on each rollout engine, side by side.
 
-The demo (`slime-run`, straw transport, built-in tiny model and copy task, torch trainer) runs `--steps` rollout
-steps with `--rollout-engine cpu` and with `--rollout-engine sglang` (real SGLang servers on CPU), one run each
+The demo (`slime-run`, straw transport, built-in tiny model and copy task, torch trainer, no router) runs `--steps`
+rollout steps with `--rollout-engine cpu` and with `--rollout-engine sglang` (real SGLang servers on CPU), one run each
 from a fresh save directory, in that order, on one machine; the first `--warmup` steps of each run are left out.
 Each step's phase times come from the run's own `metrics.jsonl` (see benchmarks/e2e.py for the phases). The
 engine start-up is reported separately (fresh start to the first generation).
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     report: dict[str, Any] = {"machine": _machine(), "config": vars(options), "engines": {}}
     for engine in ENGINES:
-        extra = ("--rollout-engine", engine, "--rollout-num-engines", str(options.engines))
+        extra = ("--rollout-engine", engine, "--rollout-num-engines", str(options.engines), "--rollout-router", "none")
         run = run_demo("straw", options.steps, options.steps, workdir, engine, extra)
         measured = [step for index, step in run["steps"].items() if index >= options.warmup]
         report["engines"][engine] = {

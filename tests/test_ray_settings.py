@@ -64,7 +64,7 @@ def test_the_default_data_source_is_the_default_transports():
         (ClusterSettings, {"critic_num_gpus_per_node": 0}, "--critic-num-gpus-per-node must be >= 1, got 0"),
         (ClusterSettings, {"train_num_cpus_per_rank": 0}, "--train-num-cpus-per-rank must be > 0.0, got 0.0"),
         (ClusterSettings, {"kl_coef": -0.1}, "--kl-coef must be >= 0.0, got -0.1"),
-        (ServingSettings, {"rollout_router": "nginx"}, "--rollout-router must be one of none, sglang-router"),
+        (ServingSettings, {"rollout_router": "nginx"}, "--rollout-router must be one of auto, none, sglang-router"),
         (ServingSettings, {"rollout_num_engines": 0}, "--rollout-num-engines must be >= 1, got 0"),
         (ManagerSettings, {"rollout_batch_size": 0}, "--rollout-batch-size must be >= 1, got 0"),
         (ManagerSettings, {"rollout_http_timeout": 0}, "--rollout-http-timeout must be > 0.0, got 0.0"),
@@ -166,3 +166,15 @@ def test_the_command_line_names_weight_transports_by_what_they_do(parser, capsys
     assert "invalid choice: 'nccl' (choose from 'disk', 'distributed', 'tensor')" in capsys.readouterr().err
     manager = ManagerSettings.from_args(parser.parse_args(["--partial-rollout", "--offload-rollout"]))
     assert (manager.pause_mode, manager.offload_rollout) == ("retract", True)
+
+
+def test_auto_router_fronts_several_engines_when_sglang_router_is_installed(monkeypatch):
+    from slime.ray import router
+
+    monkeypatch.setattr(router, "sglang_router_available", lambda: True)
+    assert ServingSettings.from_args(SimpleNamespace(rollout_num_engines=2)).router_to_start == "sglang-router"
+    assert ServingSettings.from_args(SimpleNamespace(rollout_num_engines=1)).router_to_start == "none"
+    explicit = SimpleNamespace(rollout_num_engines=2, rollout_router="none")
+    assert ServingSettings.from_args(explicit).router_to_start == "none"
+    monkeypatch.setattr(router, "sglang_router_available", lambda: False)
+    assert ServingSettings.from_args(SimpleNamespace(rollout_num_engines=4)).router_to_start == "none"

@@ -23,9 +23,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from slime.utils.child_process import die_with_parent
+
 logger = logging.getLogger(__name__)
 
-ROUTER_CHOICES = ("none", "sglang-router")
+ROUTER_CHOICES = ("auto", "none", "sglang-router")
 ROUTER_STARTUP_TIMEOUT_S = 60.0
 ROUTER_PORT_ATTEMPTS = 3
 #: sglang-router's Prometheus counter of the requests it routed, per endpoint.
@@ -38,6 +40,14 @@ def sglang_router_available() -> bool:
         return importlib.util.find_spec("sglang_router") is not None
     except ImportError:  # an import hook that forbids sglang counts as "not installed"
         return False
+
+
+def router_for(choice: str, num_engines: int) -> str:
+    """The router a run starts for `--rollout-router` `choice`: "auto" is "sglang-router" in front of several
+    engines when the package is installed, else "none" (one engine needs no router)."""
+    if choice != "auto":
+        return choice
+    return "sglang-router" if num_engines > 1 and sglang_router_available() else "none"
 
 
 def _free_port(host: str) -> int:
@@ -107,7 +117,9 @@ class SGLangRouter:
                 "--log-level",
                 "warn",
             ]
-            self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
+            self._process = subprocess.Popen(
+                command, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+            )
             if self._wait_until_ready():
                 logger.info(
                     "sglang-router at %s routes to %d engines: %s", self.url, len(self.worker_urls), self.worker_urls

@@ -169,7 +169,8 @@ def engine_weight_version(urls: list[str], *, allow_inconsistent: bool = False) 
 def launch_rollout_servers(args: Any) -> dict[str, RolloutServer]:
     """Start the engines of `--rollout-engine` (default "cpu"); returns `{"model": RolloutServer}`.
 
-    With `--rollout-router sglang-router` an sglang-router is started in front of them and its address is
+    With `--rollout-router sglang-router` (or "auto" and several engines, the package installed) an sglang-router
+    is started in front of them and its address is
     set as `args.rollout_router_url`, where the rollout functions send their requests; its output, and at the
     end how many requests it routed, go to `<save>/logs/sglang-router.log` (a temporary file without `--save`).
     """
@@ -177,7 +178,7 @@ def launch_rollout_servers(args: Any) -> dict[str, RolloutServer]:
 
     settings = ServingSettings.from_args(args)
     server = RolloutServer.launch(args, resolve_engine_launcher(args), settings.num_engines, settings.engine)
-    if settings.router == "sglang-router":
+    if settings.router_to_start == "sglang-router":
         log_path = Path(settings.save).expanduser() / "logs" / "sglang-router.log" if settings.save else None
         try:
             server.router = SGLangRouter(server.urls, log_path=log_path)

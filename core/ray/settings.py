@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from slime.ray.router import ROUTER_CHOICES
+from slime.ray.router import ROUTER_CHOICES, router_for
 from slime.utils.settings import Settings, option, options_from_args
 from slime.weight_sync import DEFAULT_BUCKET_BYTES, TRANSPORTS, canonical_transport
 
@@ -104,10 +104,16 @@ class ServingSettings(Settings):
 
     #: The rollout-engine plugin's name.
     engine: str = option("rollout_engine", "cpu")
-    router: str = option("rollout_router", "none", choices=ROUTER_CHOICES)
+    #: As given; `router_to_start` is what runs ("auto" resolved).
+    router: str = option("rollout_router", "auto", choices=ROUTER_CHOICES)
     num_engines: int = option("rollout_num_engines", 2, convert=int, minimum=1)
     #: The router's log goes to `<save>/logs/sglang-router.log` (a temporary file without `--save`).
     save: str | None = option("save")
+
+    @property
+    def router_to_start(self) -> str:
+        """ "sglang-router" or "none" (`slime.ray.router.router_for`)."""
+        return router_for(self.router, self.num_engines)
 
 
 @dataclass(frozen=True)

@@ -104,9 +104,10 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument(
         "--rollout-router",
         choices=ROUTER_CHOICES,
-        default="none",
+        default="auto",
         help="sglang-router: start one sglang-router (pip install 'slime-rl[router]') in front of the engines and "
-        "send every rollout request through it; none: the rollout functions spread requests over the engines",
+        "send every rollout request through it; none: the rollout functions spread requests over the engines; "
+        "auto: sglang-router when there are several engines and the package is installed, else none",
     )
     rollout.add_argument("--sglang-server-concurrency", type=int, default=64)
     rollout.add_argument(

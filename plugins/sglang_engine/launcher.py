@@ -22,7 +22,6 @@ client sends, which slime-rl does not have yet, so a `--sglang-host` other than 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -35,6 +34,7 @@ from typing import Any
 
 from slime.plugins.sglang_engine.server_args import SGLANG_VERSION, installed_version, sglang_environment
 from slime.plugins.sglang_engine.settings import SGLangEngineSettings
+from slime.utils.child_process import die_with_parent
 
 ENGINE_HOST = "127.0.0.1"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -51,7 +51,6 @@ LOG_TAIL_LINES = 40
 HEALTH_POLL_S = 1.0
 #: How uvicorn reports a port it cannot bind ("[Errno 98] error while attempting to bind on address ...").
 PORT_TAKEN_MARKERS = ("address already in use", "errno 98")
-_PR_SET_PDEATHSIG = 1
 
 
 class EngineStartError(RuntimeError):
@@ -71,13 +70,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((ENGINE_HOST, 0))
         return sock.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the server's process before exec: SIGKILL it when the thread that started it (the actor) dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 def _cuda_available() -> bool:
@@ -164,7 +156,7 @@ class SGLangEngineActor:
                 stderr=subprocess.STDOUT,
                 env=sglang_environment(),
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
 
     def _await_health(self, url: str, deadline: float) -> str:

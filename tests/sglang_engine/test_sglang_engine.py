@@ -175,21 +175,6 @@ def test_a_killed_server_is_marked_dead_relaunched_and_rerouted(ray_local, tiny_
         server.shutdown()
 
 
-def test_killing_an_engine_actor_ends_its_whole_server(ray_local, tiny_model, tmp_path, engine_args):
-    import ray
-
-    from slime.plugins.sglang_engine.launcher import launch_sglang_engines
-
-    engines = launch_sglang_engines(engine_args(tiny_model, tmp_path), 1)
-    processes = _server_processes(ray.get(engines.actors[0].pid.remote()))
-    assert len(processes) >= 2
-    ray.kill(engines.actors[0])  # SIGKILL of the actor's process, as a killed run does
-    deadline = time.monotonic() + 20
-    while _alive(processes) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _alive(processes) == []
-
-
 def test_a_model_sglang_cannot_load_is_reported_with_the_command_and_log_tail(
     ray_local, tiny_model, tmp_path, engine_args
 ):
