@@ -202,6 +202,15 @@ def build_table(report: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def write_report(report: dict[str, Any], out: str) -> Path:
+    """Write `report` as JSON to `out` (its folder created) and print its markdown table; returns the path."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=float))
+    print(report["table"])
+    return path
+
+
 def _machine() -> dict[str, Any]:
     from importlib.metadata import version
 
@@ -281,10 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             report["resume"] = measure_resume(options.resume_steps, workdir)
         report["elapsed_s"] = time.monotonic() - began
         report["table"] = build_table(report)
-        out = Path(options.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1, default=float))
-        print(report["table"])
+        out = write_report(report, options.out)
         _log(f"report: {out} ({report['elapsed_s']:.0f} s)")
         return 0
     finally:

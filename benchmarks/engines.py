@@ -16,14 +16,13 @@ Numbers are reported, never asserted; the JSON report goes to `--out` with a mar
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.e2e import PHASES, _machine, run_demo, step_breakdown
+from benchmarks.e2e import PHASES, _machine, run_demo, step_breakdown, write_report
 
 ENGINES = ("cpu", "sglang")
 
@@ -68,10 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     report["ratios"] = {"sglang_over_cpu_step": sglang / cpu}
     report["wall_s"] = time.monotonic() - began
     report["table"] = build_table(report)
-    out = Path(options.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str))
-    print(report["table"])
+    out = write_report(report, options.out)
     print(f"[engines] report: {out} ({report['wall_s']:.0f} s)", file=sys.stderr)
     return 0
 
