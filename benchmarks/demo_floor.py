@@ -114,7 +114,7 @@ def _generate(model: Any, tokenizer: Any, prompts: list[str], config: FloorConfi
 
 def _response_log_probs(model: Any, sequences: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Response-token log-probs, mask and entropy, right padded (as the torch backend computes them)."""
-    from slime.plugins.torch_losses import pad_right, token_log_probs_and_entropy
+    from slime.plugins.rl_losses import pad_right, token_log_probs_and_entropy
 
     rows = [torch.tensor(prompt + response) for prompt, response in sequences]
     lengths = [len(response) for _, response in sequences]
@@ -132,7 +132,7 @@ def _train_step(
 ) -> float:
     """PPO-clipped GRPO updates over the rollout in order, `global_batch_size` samples per optimizer step;
     returns the mean gradient norm."""
-    from slime.plugins.torch_losses import masked_mean, policy_loss
+    from slime.plugins.rl_losses import masked_mean, policy_loss
 
     with torch.no_grad():
         old, _, _ = _response_log_probs(model, sequences)

@@ -10,7 +10,10 @@ A **training backend** plugin (`TrainBackendSpec(name, cls)`, selected by `--tra
 class of one training rank, a `TrainBackend`. `slime.ray.actor_group.RayTrainGroup` wraps it with
 `ray.remote` (unless it already is a Ray actor class), starts one instance per placement-group bundle with
 no constructor arguments (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` are in the
-rank's environment) and calls the methods below on every rank.
+rank's environment) and calls the methods below on every rank. Each step's data is split into one shard per
+data-parallel rank: `WORLD_SIZE` shards, unless the class has a static method
+`data_parallel_size(args, world_size) -> int` (a backend that splits the model itself across ranks, with tensor
+or pipeline parallelism, answers `world_size // model-parallel size`); see `data_parallel_size`.
 
 After every step (and once before the first) the group calls `update_weights(update)` on every rank with
 one `slime.weight_sync.WeightUpdate`: `update.version` counts from `args.update_weight_start_version` (set before
@@ -57,6 +60,7 @@ __all__ = [
     "check_launched_engines",
     "check_run_backends",
     "check_train_backend",
+    "data_parallel_size",
     "resolve_engine_launcher",
     "resolve_train_backend",
     "weight_dir",
@@ -281,7 +285,7 @@ class TrainBackend(Protocol):
 
     def train(self, rollout_id: int, rollout_data_ref: Sequence[Any]) -> dict[str, float] | None:
         """Train on one rollout step. `rollout_data_ref` holds one reference per data-parallel rank; load this
-        rank's shard with `slime.utils.data.process_rollout_data(rollout_data_ref, rank, world_size)` (a dict of
+        rank's shard with `slime.utils.data.process_rollout_data(rollout_data_ref, dp_rank, dp_size)` (a dict of
         per-sample lists: `tokens`, `response_lengths`, `loss_masks`, `rewards` or `advantages`, and
         `rollout_log_probs` when the engines returned them). Returns metrics (`train/*`; rank 0's are logged).
         With `--use-critic` the actor's ranks also get `external_data=`, the critic ranks' `train` results."""
@@ -376,6 +380,25 @@ def check_train_backend(cls: Any, name: str, plugin: str | None = None, args: An
             raise PluginContractError(
                 f"{where}: {label}.{method}{inspect.signature(function)} does not accept the call {call}"
             )
+
+
+def data_parallel_size(cls: Any, args: Any, world_size: int) -> int:
+    """Into how many shards each step's data is split for `world_size` ranks of backend class `cls`.
+
+    The class's static `data_parallel_size(args, world_size)` when it has one, else `world_size`. Its answer is
+    a plugin result, checked here: a positive integer that divides `world_size`.
+    """
+    klass = _plain_class(cls)
+    method = getattr(klass, "data_parallel_size", None)
+    if method is None:
+        return int(world_size)
+    size = method(args, int(world_size))
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world_size % size:
+        raise PluginContractError(
+            f"{klass.__name__}.data_parallel_size(args, {world_size}) returned {size!r}; it must be a positive "
+            f"integer that divides the {world_size} training ranks"
+        )
+    return size
 
 
 def check_engine_launcher(launcher: Any, name: str, plugin: str | None = None) -> None:

@@ -30,7 +30,7 @@ DEFAULT_SAVE_DIR = "./slime-run-output"
 DEMO_PROMPT_COUNT = 256
 DEMO_PROMPT_SEED = 0
 DEMO_GLOBAL_BATCH_SIZE = 16
-#: The demo's optimizer beyond `--lr` (torch backend options; benchmarks/demo_floor.py uses them too).
+#: The demo's optimizer beyond `--lr` (shared train-backend options; benchmarks/demo_floor.py uses them too).
 DEMO_OPTIMIZER = {"adam_beta2": 0.98, "lr_decay_style": "constant", "min_lr": 0.0}
 
 

@@ -5,19 +5,21 @@ GPUs it allots) at the point of use, so tests and tools can also drive it in-pro
 Hugging Face causal LM (`--hf-checkpoint`, default the built-in tiny model) on CPU, or on the GPU of its
 `LOCAL_RANK` when CUDA is present. With `WORLD_SIZE > 1` (the group sets `MASTER_ADDR`, `MASTER_PORT`,
 `RANK`, `WORLD_SIZE` in each actor's environment, or passes them to the constructor) the model is wrapped
-in `DistributedDataParallel` over gloo (NCCL on GPU). `init` reads the run's arguments once, into a
-validated `slime.plugins.torch_settings.TrainSettings`; nothing else reads them.
+in `DistributedDataParallel` over gloo (NCCL on GPU), or, with `--fsdp`, sharded with FSDP2; `--bf16` runs the
+forward passes under bfloat16 autocast and `--gradient-checkpointing` recomputes activations in the backward
+pass. How the models are wrapped and run is `slime.plugins.torch_parallel`'s job. `init` reads the run's
+arguments once, into a validated `slime.plugins.torch_settings.TrainSettings`; nothing else reads them.
 
 One `train` call is one rollout step: the rank loads its shard (`process_rollout_data`), computes the
 old-policy (and, with `--kl-coef`, reference) log-probs of the response tokens, then takes one AdamW step
 per global batch of the schedule, accumulating gradients over its micro batches. Checkpoints and disk
-weight exports are made durable before they become visible (see `slime.plugins.torch_checkpoint`); with
+weight exports (float32 Hugging Face files, also under `--bf16` and `--fsdp`: rank 0 writes the full state every
+rank helps gather) are made durable before they become visible (see `slime.plugins.torch_checkpoint`); with
 `--update-weight-transport distributed` or `tensor`, rank 0 sends the weights itself (`slime.weight_sync`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -31,23 +33,22 @@ import torch.distributed as dist
 
 from slime import hookimpl
 from slime.plugins import torch_checkpoint as ckpt
-from slime.plugins.torch_losses import (
-    KL_ESTIMATORS,
-    kl_penalty,
-    masked_mean,
+from slime.plugins.rl_losses import (
+    METRIC_NAMES,
     pad_right,
-    policy_loss,
+    rl_loss,
     token_log_probs_and_entropy,
 )
-from slime.plugins.torch_optim import add_optimizer_options, build_optimizer
+from slime.plugins.torch_optim import build_optimizer
+from slime.plugins.torch_parallel import Parallelism
 from slime.plugins.torch_settings import TrainSettings
+from slime.plugins.train_batch import TrainBatch, planned_schedule
 from slime.specs import TrainBackendSpec
 from slime.weight_sync import WeightUpdate, send_weights
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-METRIC_NAMES = ("loss", "pg_loss", "kl", "clipfrac", "ppo_ratio", "entropy")
 
 
 class TorchTrainRayActor:
@@ -89,27 +90,33 @@ class TorchTrainRayActor:
 
         self.role = role
         self.device = self._select_device()
-        self._init_process_group()
+        self._init_process_group(settings)
         torch.manual_seed(settings.seed + self.rank)
+        self.parallel = Parallelism(
+            device=self.device,
+            world_size=self.world_size,
+            rank=self.rank,
+            bf16=settings.bf16,
+            fsdp=settings.fsdp,
+            gradient_checkpointing=settings.gradient_checkpointing,
+        )
 
         load_root, step = self._checkpoint_to_load(settings)
         self.hf_source = self._hf_source(settings)
         source = ckpt.iter_dir(load_root, step) if step is not None else self.hf_source
         logger.info("rank %d loads the policy from %s", self.rank, source)
+        # Weights stay float32 under --bf16 too: they are the optimizer's master weights (torch_parallel).
         self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(self.device)
         self.model.train()
+        # What training forwards call: the DDP wrapper, or the model itself (sharded in place under --fsdp).
+        self.trained = self.parallel.prepare(self.model)
         self.ref_model = None
         if with_ref or settings.loss.kl_coef != 0.0:
-            # The reference is the policy the run started from.
+            # The reference is the policy the run started from, run in the same precision (and sharded alike).
             self.ref_model = AutoModelForCausalLM.from_pretrained(self.hf_source, dtype=torch.float32).to(self.device)
             self.ref_model.eval().requires_grad_(False)
-        if self.world_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.ddp = DistributedDataParallel(self.model, device_ids=device_ids)
-        else:
-            self.ddp = None
+            self.parallel.prepare(self.ref_model, trainable=False)
+        # Built after sharding: under FSDP the optimizer holds this rank's shards (DTensors) only.
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), settings.optimizer)
         self.global_step = 0
         if step is not None:
@@ -124,13 +131,17 @@ class TorchTrainRayActor:
             return device
         return torch.device("cpu")
 
-    def _init_process_group(self) -> None:
-        if self.world_size == 1 or dist.is_initialized():
+    def _init_process_group(self, settings: TrainSettings) -> None:
+        if dist.is_initialized() or (self.world_size == 1 and not settings.fsdp):
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.world_size == 1:
+            # --fsdp on one rank: FSDP needs a process group; a one-rank group needs no rendezvous.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             return
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
         if missing:
             raise RuntimeError(f"world size {self.world_size} needs {' and '.join(missing)} in the environment")
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
 
     @staticmethod
@@ -169,7 +180,9 @@ class TorchTrainRayActor:
         self.scheduler.load_state_dict(scheduler_state["scheduler"])
         self.global_step = int(scheduler_state["global_step"])
         if not self.settings.no_load_optim:
-            self.optimizer.load_state_dict(ckpt.load_state_file(directory / ckpt.OPTIMIZER_FILE))
+            # Every rank reads the full state (by parameter name) and keeps its part (its shard under FSDP).
+            state = ckpt.load_state_file(directory / ckpt.OPTIMIZER_FILE)
+            self.parallel.load_optimizer_state(self.model, self.optimizer, state)
         if not self.settings.no_load_rng:
             ckpt.restore_rng_state(ckpt.load_state_file(directory / ckpt.rng_file(self.rank)))
 
@@ -189,9 +202,9 @@ class TorchTrainRayActor:
 
     def train_from_data(self, rollout_id: int, data: dict[str, Any]) -> dict[str, float]:
         """One rollout step on an already loaded shard (the dict `process_rollout_data` returns)."""
-        batch = _Batch.from_data(data)
+        batch = TrainBatch.from_data(data)
         schedule = self._schedule(data, len(batch))
-        advantages = self._advantages(data, batch)
+        advantages = batch.advantages(data)
         micro_batches = [mb for step in schedule for mb in step[1]]
         old_log_probs = self._old_log_probs(data, batch, micro_batches)
         ref_log_probs = self._frozen_log_probs(self.ref_model, batch, micro_batches) if self.ref_model else None
@@ -200,7 +213,6 @@ class TorchTrainRayActor:
         clip_grad = self.settings.optimizer.clip_grad
         sums = torch.zeros(len(METRIC_NAMES) + 1, dtype=torch.float64)
         grad_norms = []
-        trained = self.ddp if self.ddp is not None else self.model
         skipped = 0
         for global_size, step_micro_batches in schedule:
             if not self._has_signal(batch, advantages, step_micro_batches):
@@ -210,39 +222,32 @@ class TorchTrainRayActor:
                 continue
             self.optimizer.zero_grad(set_to_none=True)
             for position, indices in enumerate(step_micro_batches):
-                last = position == len(step_micro_batches) - 1
-                sync = self.ddp.no_sync() if (self.ddp is not None and not last) else contextlib.nullcontext()
-                with sync:
+                # Gradients reduce over the ranks once per optimizer step, in the last micro batch's backward.
+                with self.parallel.gradient_sync(self.trained, position == len(step_micro_batches) - 1):
                     if not indices:
-                        # Keeps DDP's gradient all-reduce in step with ranks that do have samples here.
-                        trained(torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits.sum().mul(0).backward()
+                        # Keeps the collectives (DDP's all-reduce; FSDP's all-gathers and reduce-scatter) in step
+                        # with ranks that do have samples here.
+                        self.parallel.dummy_loss(self.trained).backward()
                         continue
-                    log_probs, mask, entropy = self._log_probs(trained, batch, indices)
-                    old = pad_right([old_log_probs[i] for i in indices]).to(self.device)
-                    adv = pad_right([advantages[i] for i in indices]).to(self.device)
-                    pg_tok, clipped = policy_loss(log_probs, old, adv, loss.eps_clip, loss.eps_clip_high)
-                    per_token = pg_tok
+                    log_probs, mask, entropy = self._log_probs(self.trained, batch, indices)
+                    ref = None
                     if ref_log_probs is not None:
                         ref = pad_right([ref_log_probs[i] for i in indices]).to(self.device)
-                        kl_tok = kl_penalty(log_probs, ref, loss.kl_loss_type)
-                        per_token = pg_tok + loss.kl_coef * kl_tok
-                    else:
-                        kl_tok = torch.zeros_like(pg_tok)
-                    if loss.entropy_coef:
-                        # An entropy bonus keeps sampling diverse: a policy that answers a prompt the same way
-                        # eight times gives GRPO a zero-variance group and nothing to learn from.
-                        per_token = per_token - loss.entropy_coef * entropy
-                    sample_loss = masked_mean(per_token, mask)
-                    # Per-sample mean over tokens, summed over the global batch; DDP averages over ranks.
+                    sample_loss, sample_metrics = rl_loss(
+                        log_probs,
+                        old_log_probs=pad_right([old_log_probs[i] for i in indices]).to(self.device),
+                        advantages=pad_right([advantages[i] for i in indices]).to(self.device),
+                        mask=mask,
+                        settings=loss,
+                        entropy=entropy,
+                        ref_log_probs=ref,
+                    )
+                    # Per-sample mean over tokens, summed over the global batch; DDP and FSDP average over ranks.
                     (sample_loss.sum() * (self.world_size / global_size)).backward()
-                    with torch.no_grad():
-                        ratio = torch.exp(log_probs - old)
-                        for k, values in enumerate((per_token, pg_tok, kl_tok, clipped, ratio, entropy)):
-                            sums[k] += masked_mean(values, mask).sum().item()
-                        sums[-1] += len(indices)
+                    sums[:-1] += sample_metrics.sum(dim=1).double().cpu()
+                    sums[-1] += len(indices)
             params = [p for p in self.model.parameters() if p.grad is not None]
-            norm = torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else float("inf"))
-            grad_norms.append(float(norm))
+            grad_norms.append(self.parallel.clip_grad_norm(params, clip_grad))
             self.optimizer.step()
             self.scheduler.step()
             self.global_step += 1
@@ -259,7 +264,7 @@ class TorchTrainRayActor:
         return metrics
 
     def _rollout_log_prob_mismatch(
-        self, data: dict[str, Any], batch: _Batch, old_log_probs: list[torch.Tensor]
+        self, data: dict[str, Any], batch: TrainBatch, old_log_probs: list[torch.Tensor]
     ) -> float | None:
         """Mean |engine log-prob - trainer log-prob| over response tokens, across ranks: near 0 when the
         engines generated with the weights being trained (same model, same precision); None when the engines
@@ -267,19 +272,16 @@ class TorchTrainRayActor:
         if self.settings.use_rollout_logprobs or "rollout_log_probs" not in data:
             return None
         total = torch.zeros(2, dtype=torch.float64)
-        for engine, trainer in zip(_rollout_log_probs(data, batch), old_log_probs, strict=True):
+        for engine, trainer in zip(batch.rollout_log_probs(data), old_log_probs, strict=True):
             total[0] += (engine - trainer).abs().sum().item()
             total[1] += engine.numel()
         total = self._all_reduce(total)
         return float(total[0] / total[1]) if total[1] > 0 else None
 
-    def _has_signal(self, batch: _Batch, advantages: list[torch.Tensor], micro_batches: list[list[int]]) -> bool:
+    def _has_signal(self, batch: TrainBatch, advantages: list[torch.Tensor], micro_batches: list[list[int]]) -> bool:
         """Collective: whether any rank's samples in this optimizer step have a non-zero advantage on a token
         the loss counts."""
-        local = any(
-            bool((advantages[i] * batch.loss_masks[i]).ne(0).any()) for indices in micro_batches for i in indices
-        )
-        return not self._all_ok(not local)
+        return not self._all_ok(not batch.has_signal(advantages, micro_batches))
 
     def _schedule(self, data: dict[str, Any], n_local: int) -> list[tuple[int, list[list[int]]]]:
         """`[(global_batch_size, [micro batch indices, ...]), ...]`, one entry per optimizer step.
@@ -288,20 +290,9 @@ class TorchTrainRayActor:
         batch builder planned one; otherwise one step over the whole rollout in `--micro-batch-size` chunks,
         with every rank running as many micro batches as the busiest one.
         """
-        if "num_microbatches" in data:
-            sizes = [int(x) for x in data["global_batch_sizes"]]
-            counts = [int(x) for x in data["num_microbatches"]]
-            flat = [[int(i) for i in mb] for mb in data["micro_batch_indices"]]
-            if len(sizes) != len(counts) or sum(counts) != len(flat):
-                raise ValueError(
-                    f"inconsistent training schedule: {len(sizes)} global batch sizes, micro batch counts {counts}, "
-                    f"{len(flat)} micro batches"
-                )
-            steps, start = [], 0
-            for size, count in zip(sizes, counts, strict=True):
-                steps.append((size, flat[start : start + count]))
-                start += count
-            return steps
+        planned = planned_schedule(data)
+        if planned is not None:
+            return planned
         size = self.settings.micro_batch_size
         chunks = [list(range(i, min(i + size, n_local))) for i in range(0, n_local, size)]
         stats = self._all_reduce(torch.tensor([float(n_local)], dtype=torch.float64))
@@ -309,27 +300,20 @@ class TorchTrainRayActor:
         chunks += [[] for _ in range(count - len(chunks))]
         return [(int(stats.item()), chunks)]
 
-    def _advantages(self, data: dict[str, Any], batch: _Batch) -> list[torch.Tensor]:
-        """Per-token advantages (one 1-D tensor per sample, of its response length).
-
-        `rewards` are used as they come: the batch builder has already centred (and, with
-        `--grpo-std-normalization`, scaled) them per prompt group when `--rewards-normalization` is on.
-        """
-        for key in ("advantages", "returns", "rewards"):
-            if key in data:
-                return [batch.broadcast(i, value) for i, value in enumerate(data[key])]
-        raise ValueError("training data has none of 'advantages', 'returns', 'rewards'; nothing to learn from")
-
-    def _old_log_probs(self, data: dict[str, Any], batch: _Batch, micro_batches: list[list[int]]) -> list[torch.Tensor]:
+    def _old_log_probs(
+        self, data: dict[str, Any], batch: TrainBatch, micro_batches: list[list[int]]
+    ) -> list[torch.Tensor]:
         if self.settings.use_rollout_logprobs and "rollout_log_probs" in data:
-            return _rollout_log_probs(data, batch)
+            return batch.rollout_log_probs(data)
         return self._frozen_log_probs(self.model, batch, micro_batches)
 
-    def _frozen_log_probs(self, model: Any, batch: _Batch, micro_batches: list[list[int]]) -> list[torch.Tensor]:
+    def _frozen_log_probs(self, model: Any, batch: TrainBatch, micro_batches: list[list[int]]) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(batch)
         with torch.no_grad():
             for indices in micro_batches:
                 if not indices:
+                    if self.parallel.collective_forward:
+                        self.parallel.dummy_loss(model)  # the other ranks' all-gathers wait for this one's
                     continue
                 log_probs, _, _ = self._log_probs(model, batch, indices)
                 for row, i in enumerate(indices):
@@ -340,7 +324,7 @@ class TorchTrainRayActor:
         return out  # type: ignore[return-value]
 
     def _log_probs(
-        self, model: Any, batch: _Batch, indices: list[int]
+        self, model: Any, batch: TrainBatch, indices: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Response-token log-probs `[B, R_max]`, the loss mask and the response positions' entropy for samples
         `indices` (right padded).
@@ -349,7 +333,7 @@ class TorchTrainRayActor:
         it from influencing them.
         """
         tokens = pad_right([batch.tokens[i] for i in indices], dtype=torch.long).to(self.device)
-        logits = model(tokens).logits
+        logits = self.parallel.logits(model, tokens)
         all_log_probs, all_entropy = token_log_probs_and_entropy(logits[:, :-1], tokens[:, 1:])
         width = max(batch.response_lengths[i] for i in indices)
 
@@ -401,9 +385,15 @@ class TorchTrainRayActor:
                     torch.save(ckpt.capture_rng_state(), staging / ckpt.rng_file(self.rank))
             except OSError as exc:
                 error = exc
-            if self._all_ok(error is None) and self.rank == 0:
+            if self._all_ok(error is None):
                 try:
-                    self._write_rank0_checkpoint(root, staging, rollout_id)
+                    # Every rank takes part in gathering the full states (collectives under FSDP); rank 0 writes.
+                    model_state = self.parallel.full_model_state(self.model)
+                    optimizer_state = None
+                    if not self.settings.no_save_optim:
+                        optimizer_state = self.parallel.optimizer_state(self.model, self.optimizer)
+                    if self.rank == 0:
+                        self._write_rank0_checkpoint(root, staging, rollout_id, model_state, optimizer_state)
                 except BaseException as exc:
                     error = exc
         if self.rank == 0 and error is not None:
@@ -413,10 +403,19 @@ class TorchTrainRayActor:
                 raise RuntimeError(f"saving {ckpt.iter_dir(root, rollout_id)} failed: {error}") from error
             raise RuntimeError(f"saving {ckpt.iter_dir(root, rollout_id)} failed on another rank")
 
-    def _write_rank0_checkpoint(self, root: Path, staging: Path, rollout_id: int) -> None:
-        self.model.save_pretrained(staging, safe_serialization=True)
-        if not self.settings.no_save_optim:
-            torch.save(self.optimizer.state_dict(), staging / ckpt.OPTIMIZER_FILE)
+    def _write_rank0_checkpoint(
+        self,
+        root: Path,
+        staging: Path,
+        rollout_id: int,
+        model_state: dict[str, torch.Tensor],
+        optimizer_state: dict[str, Any] | None,
+    ) -> None:
+        """The Hugging Face files (float32), the full optimizer state by parameter name (the same file whatever
+        the world size and with or without --fsdp, see `slime.plugins.torch_parallel`) and the schedule."""
+        self.model.save_pretrained(staging, state_dict=model_state, safe_serialization=True)
+        if optimizer_state is not None:
+            torch.save(optimizer_state, staging / ckpt.OPTIMIZER_FILE)
         torch.save(
             {"scheduler": self.scheduler.state_dict(), "global_step": self.global_step},
             staging / ckpt.SCHEDULER_FILE,
@@ -427,33 +426,38 @@ class TorchTrainRayActor:
     # ---------------------------------------------------------- weight update
 
     def update_weights(self, update: WeightUpdate) -> None:
-        """Bring the engines to the current weights as `update.version` (DDP keeps every rank's weights equal, so
-        rank 0 does the work while the others wait): transport "disk" exports to `update.disk_dir`, which
-        appears complete or not at all (the group then has the engines load it); "distributed" and "tensor" send
-        the model's state dict, Hugging Face names as `save_pretrained` writes them, to the paused engines."""
+        """Bring the engines to the current weights as `update.version`: every rank helps gather the full state dict
+        (under FSDP; DDP keeps every rank's weights equal), rank 0 does the rest while the others wait: transport
+        "disk" exports to `update.disk_dir`, which appears complete or not at all (the group then has the engines
+        load it); "distributed" and "tensor" send the state dict, Hugging Face names as `save_pretrained` writes
+        them, to the paused engines."""
+        if update.transport != "disk" and not update.engine_urls:
+            return  # no engines to send to (the same on every rank): nothing to gather
         error: BaseException | None = None
-        if self.rank == 0:
-            try:
+        try:
+            state = self.parallel.full_model_state(self.model)
+            if self.rank == 0:
                 if update.transport == "disk":
-                    self._export_weights(Path(str(update.disk_dir)))
+                    self._export_weights(Path(str(update.disk_dir)), state)
                 else:
-                    send_weights(update, self.model.state_dict().items())
-            except BaseException as exc:
-                error = exc
+                    send_weights(update, state.items())
+        except BaseException as exc:
+            error = exc
         if not self._all_ok(error is None):
             where = update.disk_dir if update.transport == "disk" else ", ".join(update.engine_urls)
             raise RuntimeError(
                 f"weight update {update.version} ({update.transport}) to {where} failed: {error or 'on rank 0'}"
             ) from error
 
-    def _export_weights(self, target: Path) -> None:
-        """Write the model (and the tokenizer files of its source) to `target` through a staging directory."""
+    def _export_weights(self, target: Path, state: dict[str, torch.Tensor]) -> None:
+        """Write the model's full `state` (float32, and the tokenizer files of its source) to `target` through a
+        staging directory."""
         staging = target.with_name(f".{target.name}.partial")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             if staging.exists():
                 shutil.rmtree(staging)
-            self.model.save_pretrained(staging, safe_serialization=True)
+            self.model.save_pretrained(staging, state_dict=state, safe_serialization=True)
             for name in TOKENIZER_FILES:
                 source = Path(self.hf_source) / name
                 if source.is_file():
@@ -464,84 +468,32 @@ class TorchTrainRayActor:
             raise
 
 
-def _rollout_log_probs(data: dict[str, Any], batch: _Batch) -> list[torch.Tensor]:
-    """The engines' log-probs of each response token, one float32 tensor per sample, checked against its length."""
-    values = [torch.as_tensor(v, dtype=torch.float32).reshape(-1) for v in data["rollout_log_probs"]]
-    for i, value in enumerate(values):
-        if value.numel() != batch.response_lengths[i]:
-            raise ValueError(
-                f"sample {i}: {value.numel()} rollout log-probs for {batch.response_lengths[i]} response tokens"
-            )
-    return values
-
-
-class _Batch:
-    """This rank's samples as tensors: tokens, response lengths, total lengths, response loss masks."""
-
-    def __init__(self, tokens: list[torch.Tensor], response_lengths: list[int], loss_masks: list[torch.Tensor]):
-        self.tokens = tokens
-        self.response_lengths = response_lengths
-        self.total_lengths = [int(t.numel()) for t in tokens]
-        self.loss_masks = loss_masks
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @classmethod
-    def from_data(cls, data: dict[str, Any]) -> _Batch:
-        for key in ("tokens", "response_lengths"):
-            if key not in data:
-                raise ValueError(f"training data lacks {key!r} (keys: {sorted(data)})")
-        tokens = [torch.as_tensor(t, dtype=torch.long).reshape(-1) for t in data["tokens"]]
-        lengths = [int(r) for r in data["response_lengths"]]
-        if len(lengths) != len(tokens):
-            raise ValueError(f"{len(tokens)} token rows but {len(lengths)} response lengths")
-        masks = data.get("loss_masks")
-        loss_masks = (
-            [torch.as_tensor(m, dtype=torch.float32).reshape(-1) for m in masks]
-            if masks is not None
-            else [torch.ones(r) for r in lengths]
-        )
-        for i, (t, r, m) in enumerate(zip(tokens, lengths, loss_masks, strict=True)):
-            if not 0 < r < t.numel():
-                raise ValueError(f"sample {i}: response length {r} must be positive and leave a prompt ({t.numel()})")
-            if m.numel() != r:
-                raise ValueError(f"sample {i}: loss mask has {m.numel()} entries for a response of {r} tokens")
-        return cls(tokens, lengths, loss_masks)
-
-    def broadcast(self, i: int, value: Any) -> torch.Tensor:
-        """Sample `i`'s advantage as a per-token tensor: a scalar is repeated over its response."""
-        tensor = torch.as_tensor(value, dtype=torch.float32).reshape(-1)
-        if tensor.numel() == 1:
-            return tensor.expand(self.response_lengths[i]).clone()
-        if tensor.numel() != self.response_lengths[i]:
-            raise ValueError(f"sample {i}: {tensor.numel()} advantages for {self.response_lengths[i]} response tokens")
-        return tensor
-
-
 @hookimpl
 def slime_train_backends() -> Iterable[TrainBackendSpec]:
     return [
         TrainBackendSpec(
             "torch",
             TorchTrainRayActor,
-            "PyTorch policy trainer (HF causal LM, AdamW, GRPO/PPO clipped loss, DDP over gloo); CPU or one GPU "
-            "per rank; plain class, wrapped with ray.remote by RayTrainGroup",
+            "PyTorch policy trainer (HF causal LM, AdamW, GRPO/PPO clipped loss, DDP or FSDP2 over gloo/NCCL, "
+            "--bf16 autocast); CPU or one GPU per rank; plain class, wrapped with ray.remote by RayTrainGroup",
         )
     ]
 
 
 @hookimpl
 def slime_addoption(parser) -> None:
-    add_optimizer_options(parser)
-    group = parser.add_argument_group("loss (torch backend)")
-    group.add_argument("--eps-clip-high", type=float, default=None, help="upper clip range (default: --eps-clip)")
-    group.add_argument("--kl-loss-type", choices=KL_ESTIMATORS, default="k3", help="KL estimator when --kl-coef > 0")
-    group.add_argument(
-        "--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus subtracted from the loss"
+    group = parser.add_argument_group(
+        "torch backend", "--train-backend torch: how each rank holds and runs the model (see also --bf16)."
     )
     group.add_argument(
-        "--use-rollout-logprobs",
+        "--gradient-checkpointing",
         action="store_true",
-        help="take the engines' log-probs as the old policy instead of recomputing them in the trainer",
+        help="recompute each decoder layer's activations in the backward pass instead of keeping them (Hugging "
+        "Face gradient checkpointing, non-reentrant): less memory for about one more forward pass per step",
+    )
+    group.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard weights, gradients and optimizer state over the training ranks with FSDP2 (per decoder layer, "
+        "then the whole model; gloo on CPU, NCCL on GPU) instead of replicating them with DDP",
     )

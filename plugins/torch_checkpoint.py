@@ -1,11 +1,13 @@
 """Durable files of the torch training backend: checkpoint directories, the tracker, RNG state.
 
 A checkpoint of step N is `<save>/iter_<N:07d>/` holding `config.json` + `model.safetensors` (a Hugging
-Face directory any `from_pretrained` loads), `optimizer.pt`, `opt_param_scheduler.pt` and one
-`rng_state_rank<R>.pt` per data-parallel rank. It is assembled in `<save>/.iter_<N:07d>.partial/`, every
-file and the directory are fsynced, then it is renamed into place and `<save>` is fsynced; only after that
-does `<save>/latest_checkpointed_iteration.txt` (written the same way) name it. A crash at any point
-leaves either the previous checkpoint or the new one, never a half directory under the final name.
+Face directory any `from_pretrained` loads, float32), `optimizer.pt` (the full AdamW state keyed by parameter
+name, whatever the world size and with or without `--fsdp`: see `slime.plugins.torch_parallel`),
+`opt_param_scheduler.pt` and one `rng_state_rank<R>.pt` per data-parallel rank. It is assembled in
+`<save>/.iter_<N:07d>.partial/`, every file and the directory are fsynced, then it is renamed into place and
+`<save>` is fsynced; only after that does `<save>/latest_checkpointed_iteration.txt` (written the same way)
+name it. A crash at any point leaves either the previous checkpoint or the new one, never a half directory
+under the final name.
 """
 
 from __future__ import annotations

@@ -128,8 +128,8 @@ def build_optimizer(
 
 
 def add_optimizer_options(parser: argparse.ArgumentParser) -> None:
-    """The `optimizer (torch backend)` option group of `slime-run --help`."""
-    group = parser.add_argument_group("optimizer (torch backend)")
+    """The `optimizer (every train backend)` option group of `slime-run --help`."""
+    group = parser.add_argument_group("optimizer (every train backend)")
     group.set_defaults(**DEFAULTS)
     group.add_argument("--adam-beta1", type=float)
     group.add_argument("--adam-beta2", type=float)

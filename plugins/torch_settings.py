@@ -1,7 +1,7 @@
 """The torch training backend's settings: everything a rank reads from the run's arguments, validated once.
 
 `TorchTrainRayActor.init(args, ...)` builds `TrainSettings.from_args(args)`; the backend, its optimizer
-(`slime.plugins.torch_optim.OptimizerSettings`) and its loss (`slime.plugins.torch_losses.LossSettings`)
+(`slime.plugins.torch_optim.OptimizerSettings`) and its loss (`slime.plugins.rl_losses.LossSettings`)
 read only this object afterwards. Attributes `args` lacks take the flags' defaults.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from slime.plugins.torch_losses import LossSettings
+from slime.plugins.rl_losses import LossSettings
 from slime.plugins.torch_optim import OptimizerSettings
 from slime.utils.settings import Settings, option, options_from_args
 
@@ -32,6 +32,13 @@ class TrainSettings(Settings):
     no_save_rng: bool = option("no_save_rng", False)
     micro_batch_size: int = option("micro_batch_size", 8, convert=int, minimum=1)
     use_rollout_logprobs: bool = option("use_rollout_logprobs", False)
+    #: bfloat16 autocast for every forward pass; weights, gradients and optimizer state stay float32
+    #: (`slime.plugins.torch_parallel`).
+    bf16: bool = option("bf16", False)
+    #: Recompute decoder layers' activations in the backward pass (Hugging Face, non-reentrant).
+    gradient_checkpointing: bool = option("gradient_checkpointing", False)
+    #: Shard the model with FSDP2 instead of replicating it with DDP (also at world size 1: nothing to shard).
+    fsdp: bool = option("fsdp", False)
     #: Set by the framework: the first rollout step of a run that loads no checkpoint (None: 0).
     start_rollout_id: int | None = option("start_rollout_id", convert=int, minimum=0)
     loss: LossSettings = field(default_factory=LossSettings)

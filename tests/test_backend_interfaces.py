@@ -21,6 +21,7 @@ from slime.backend_interfaces import (
     check_engine_launcher,
     check_launched_engines,
     check_train_backend,
+    data_parallel_size,
     resolve_engine_launcher,
     resolve_train_backend,
     weight_dir,
@@ -43,6 +44,25 @@ def test_the_builtin_backends_keep_their_contracts():
     assert isinstance(launched, LaunchedEngines)
     assert check_launched_engines(launched, 2, "cpu") == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     assert weight_dir("/w", 12) == Path("/w/weight_v000012")
+
+
+def test_data_parallel_size_is_the_world_unless_the_backend_splits_the_model():
+    args = SimpleNamespace(model_parallel=2)
+
+    class ModelParallel:
+        @staticmethod
+        def data_parallel_size(args, world_size):
+            return world_size // args.model_parallel
+
+    class Broken:
+        @staticmethod
+        def data_parallel_size(args, world_size):
+            return 3
+
+    assert data_parallel_size(TorchTrainRayActor, args, 4) == 4
+    assert data_parallel_size(ModelParallel, args, 4) == 2
+    with pytest.raises(PluginContractError, match=r"Broken.data_parallel_size\(args, 4\) returned 3"):
+        data_parallel_size(Broken, args, 4)
 
 
 def test_launcher_results_that_are_not_engine_urls_are_refused():

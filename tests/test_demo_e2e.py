@@ -12,12 +12,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from straw.protocol import RecordSetRef
 
-from slime.data.refs import DiskPayloadRef
 from slime.observability.phase_timer import PhaseTimer
-from slime.plugins.demo import DEMO_GLOBAL_BATCH_SIZE, demo_settings, prepare_demo_files
+from slime.plugins.demo import DEMO_GLOBAL_BATCH_SIZE, prepare_demo_files
 from slime.plugins.demo_report import RunReport, plot_reward_curve, read_metrics, reward_by_step
+from slime.testing import run_records
 from slime.utils.arguments import parse_args
 from slime.utils.external_utils.slime_run_process import SlimeRunProcess
 
@@ -28,74 +27,6 @@ RUN_TIMEOUT_S = 240
 def _start(save: Path, log: Path) -> SlimeRunProcess:
     args = ["--plugin", "straw", "--num-rollout", str(NUM_ROLLOUT), "--save-interval", "1", "--save", str(save)]
     return SlimeRunProcess(args, log, cwd=save.parent)
-
-
-def _branches(save: Path) -> list[Path]:
-    """The save root and every branch a rerun created under it, oldest first."""
-    branches = sorted((save / "branches").glob("*"), key=lambda p: (p / "rollout" / "branch.json").stat().st_mtime)
-    return [save, *branches]
-
-
-def _commits(save: Path) -> dict[int, Path]:
-    """Every joint commit of the run's branch chain, by step; a step committed twice is an error."""
-    commits: dict[int, Path] = {}
-    for branch in _branches(save):
-        for marker in (branch / "rollout").glob("committed_*.json"):
-            step = int(marker.stem.removeprefix("committed_"))
-            assert step not in commits, f"step {step} committed twice: {commits[step]} and {marker}"
-            commits[step] = marker
-    return dict(sorted(commits.items()))
-
-
-def _consumer_cursors(commits: dict[int, Path]) -> dict[Path, list[tuple[int, int]]]:
-    """Per branch, the training consumer's (fetch, processed) cursors recorded with its committed steps."""
-    cursors: dict[Path, list[tuple[int, int]]] = {}
-    for step, marker in commits.items():
-        record = json.loads(marker.read_text())
-        assert record["rollout_id"] == step and record["resumable"] is True
-        builder = json.loads((marker.parent / f"builder_state_{step}.json").read_text())
-        consumer = builder["consumer"]
-        cursors.setdefault(marker.parent, []).append((consumer["fetch_cursor"], consumer["processed_cursor"]))
-    return cursors
-
-
-def _rewards(save: Path) -> list[tuple[int, float]]:
-    lines = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [(line["step"], line["rollout/reward"]) for line in lines if "rollout/reward" in line]
-
-
-def _prompt_source(marker: Path, step: int) -> dict:
-    """The queue's prompt-source record saved with the joint commit of `step` (dataset cursor, pending leases)."""
-    state = json.loads((marker.parent / f"queue_state_{step}.json").read_text())
-    return DiskPayloadRef(RecordSetRef.from_dict(state["manifest"]), state["root"]).load()
-
-
-def _assert_trained_once(save: Path) -> None:
-    commits = _commits(save)
-    assert list(commits) == list(range(NUM_ROLLOUT)), f"committed steps are not contiguous: {list(commits)}"
-    settings = demo_settings(save)
-    groups = settings["rollout_batch_size"]
-    samples = groups * settings["n_samples_per_prompt"]
-    for step, marker in commits.items():
-        source = _prompt_source(marker, step)
-        cursor = source["dataset"]["cursor"]
-        # Each committed step consumed exactly the next step's prompt groups and sample indices, across the kill:
-        # the resumed branch issued the killed run's uncommitted samples again instead of skipping or repeating
-        # indices, and no prompt lease was left outstanding at a commit.
-        assert (cursor["sample_group_index"], cursor["sample_index"]) == ((step + 1) * groups, (step + 1) * samples)
-        assert source["pending"] == [], (step, source["pending"])
-    strides = set()
-    for branch, cursors in _consumer_cursors(commits).items():
-        # At every commit the consumer has processed all it fetched (nothing half-trained is checkpointed) ...
-        assert all(fetch == processed for fetch, processed in cursors), (branch, cursors)
-        # ... and each committed step advanced the branch queue's training cursor by one step's worth of accepted
-        # positions, from the queue's origin (a resumed branch trains from a fork of its parent's last commit):
-        # a position trained twice would repeat a cursor, a lost one would make it jump.
-        processed = [p for _, p in cursors]
-        stride = processed[0]
-        assert stride > 0 and processed == [stride * (i + 1) for i in range(len(processed))], (branch, processed)
-        strides.add(stride)
-    assert len(strides) == 1, f"steps accepted different amounts of data: {strides}"
 
 
 def test_demo_configures_a_run_without_model_or_prompts(tmp_path: Path) -> None:
@@ -185,8 +116,8 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     log = tmp_path / "run.log"
     _start(save, log).finish(RUN_TIMEOUT_S)
 
-    _assert_trained_once(save)
-    steps = [step for step, _ in _rewards(save)]
+    run_records.assert_trained_once(save, list(range(NUM_ROLLOUT)))
+    steps = [step for step, _ in run_records.rewards(save)]
     assert steps == list(range(NUM_ROLLOUT))
     assert (save / "reward_curve.png").stat().st_size > 0
     assert (save / "model" / "slime_tiny_model.json").exists()
@@ -206,20 +137,20 @@ def test_killed_demo_resumes_from_last_joint_commit(tmp_path: Path) -> None:
         assert time.monotonic() < deadline, "no joint commit appeared in time"
         time.sleep(0.2)
     first.kill()
-    committed_before = sorted(_commits(save))
+    committed_before = sorted(run_records.commits(save))
     last = committed_before[-1]
     assert last < NUM_ROLLOUT - 1, "the kill came too late to test a resume"
-    rewards_before = _rewards(save)[: last + 1]
+    rewards_before = run_records.rewards(save)[: last + 1]
 
     _start(save, log).finish(RUN_TIMEOUT_S)
 
-    _assert_trained_once(save)
-    rewards = _rewards(save)
+    run_records.assert_trained_once(save, list(range(NUM_ROLLOUT)))
+    rewards = run_records.rewards(save)
     assert rewards[: last + 1] == rewards_before, "the rerun rewrote the first run's committed reward log"
     steps = [step for step, _ in rewards]
     # Between the committed part and the rerun's lines sit at most the killed run's uncommitted steps (Ray's
     # workers may finish a line just after the kill); no committed step is ever trained again.
     assert steps[-(NUM_ROLLOUT - last - 1) :] == list(range(last + 1, NUM_ROLLOUT)), steps
     assert all(step > last for step in steps[last + 1 :]), f"a committed step was trained again: {steps}"
-    branch = json.loads((_branches(save)[-1] / "rollout" / "branch.json").read_text())
+    branch = json.loads((run_records.branches(save)[-1] / "rollout" / "branch.json").read_text())
     assert branch["parent"]["step"] == last and branch["parent"]["queue_snapshot"] is True

@@ -108,6 +108,12 @@ def _benchmark_options() -> set[str]:
     return {flag for path in (ROOT / "benchmarks").glob("*.py") for flag in pattern.findall(path.read_text())}
 
 
+def _contrib_options() -> set[str]:
+    """Options the plugins under contrib/ add (they are separate packages, installed or not in this environment)."""
+    pattern = re.compile(r"add_argument\(\s*f?\"(--[a-z][a-z0-9-]*)\"")
+    return {flag for path in (ROOT / "contrib").rglob("*.py") for flag in pattern.findall(path.read_text())}
+
+
 def _pytest_plugin_options() -> set[str]:
     """Options our pytest plugin (`slime.testing.pytest_plugin`) adds to pytest."""
     pattern = re.compile(r"\.addoption\(\s*\"(--[a-z][a-z0-9-]*)\"")
@@ -119,7 +125,14 @@ def _known_options() -> set[str]:
     archive = argparse.ArgumentParser(prog="slime-run")
     add_archive_parser(archive.add_subparsers())
     commands = _option_strings(run) | _option_strings(archive)
-    return commands | _benchmark_options() | _pytest_plugin_options() | FOREIGN_FLAGS | _sglang_options()
+    return (
+        commands
+        | _benchmark_options()
+        | _contrib_options()
+        | _pytest_plugin_options()
+        | FOREIGN_FLAGS
+        | _sglang_options()
+    )
 
 
 def _sglang_options() -> set[str]:

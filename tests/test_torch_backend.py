@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from slime.plugins import torch_checkpoint as ckpt
+from slime.plugins.rl_losses import kl_penalty, masked_mean, policy_loss
 from slime.plugins.torch_backend import TorchTrainRayActor
-from slime.plugins.torch_losses import kl_penalty, masked_mean, policy_loss
 from slime.weight_sync import WeightUpdate
 
 PROMPT_LEN, RESPONSE_LEN = 4, 3
@@ -81,9 +81,9 @@ def start(args, **kw) -> tuple[TorchTrainRayActor, int]:
 
 
 def sequence_log_probs(actor: TorchTrainRayActor, data: dict) -> torch.Tensor:
-    from slime.plugins.torch_backend import _Batch
+    from slime.plugins.train_batch import TrainBatch
 
-    batch = _Batch.from_data(data)
+    batch = TrainBatch.from_data(data)
     per_sample = actor._frozen_log_probs(actor.model, batch, [list(range(len(batch)))])
     return torch.stack([lp.sum() for lp in per_sample])
 
@@ -207,9 +207,9 @@ def test_an_optimizer_step_without_signal_is_skipped(hf_dir, tmp_path):
 def test_engine_log_probs_are_compared_with_the_trainers(hf_dir, tmp_path):
     actor, _ = start(make_args(hf_dir, tmp_path))
     data = make_batch()
-    from slime.plugins.torch_backend import _Batch
+    from slime.plugins.train_batch import TrainBatch
 
-    same = actor._frozen_log_probs(actor.model, _Batch.from_data(data), [[0, 1, 2, 3]])
+    same = actor._frozen_log_probs(actor.model, TrainBatch.from_data(data), [[0, 1, 2, 3]])
     data["rollout_log_probs"] = [lp.tolist() for lp in same]
     assert actor.train_from_data(0, data)["train/rollout_logprob_abs_diff"] == pytest.approx(0.0, abs=1e-6)
     data = make_batch()

@@ -85,6 +85,13 @@ class RayTrainGroup:
     def world_size(self) -> int:
         return self._num_nodes * self._num_gpus_per_node
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Into how many shards each step's data is split (`slime.backend_interfaces.data_parallel_size`)."""
+        from slime.backend_interfaces import data_parallel_size
+
+        return data_parallel_size(self._backend_class(), self.args, self.world_size)
+
     # ---------------------------------------------------------------- lifecycle
 
     def create(self, rollout_manager: Any = None) -> list[int] | None:

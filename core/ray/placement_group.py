@@ -119,7 +119,7 @@ def create_training_models(
             num_gpus_per_actor=pgs["critic"].num_gpus_per_bundle,
             role="critic",
         )
-    ray.get(rollout_manager.set_train_parallel_config.remote({"dp_size": actor.world_size}))
+    ray.get(rollout_manager.set_train_parallel_config.remote({"dp_size": actor.data_parallel_size}))
     start_ids = list(actor.create(rollout_manager) or [])
     if critic is not None:
         start_ids += list(critic.create(rollout_manager) or [])

@@ -1,5 +1,9 @@
-"""Loss functions of the torch training backend: pure tensor functions, no model, no process group, and
+"""The RL loss every training backend uses: pure tensor functions, no model, no process group, and
 `LossSettings`, the options that shape the loss.
+
+`rl_loss` is the one place the per-token GRPO/PPO-style objective is put together (clipped policy loss, KL
+to the reference, entropy bonus); the torch and the Megatron backends both call it on their log-probs, so
+they optimise the same thing and report the same `METRIC_NAMES`.
 
 Shapes: token-level tensors are `[batch, response_len]` (padded on the right); `mask` is 1 on tokens that
 count and 0 on padding and on tokens the loss mask excludes (tool output, prompt). Per-sample values
@@ -16,6 +20,8 @@ import torch
 from slime.utils.settings import Settings, option
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+#: What `rl_loss` reports per sample, in this order (each the sample's masked mean over its response tokens).
+METRIC_NAMES = ("loss", "pg_loss", "kl", "clipfrac", "ppo_ratio", "entropy")
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,47 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
         neg = (-delta).clamp(-20.0, 20.0)
         return torch.exp(neg) - neg - 1.0
     raise ValueError(f"unknown KL estimator {estimator!r}; use one of {', '.join(KL_ESTIMATORS)} (--kl-loss-type)")
+
+
+def rl_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    settings: LossSettings,
+    entropy: torch.Tensor | None = None,
+    ref_log_probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-sample loss of a micro batch and its metrics.
+
+    Token-level inputs are `[batch, len]`: the policy's `log_probs` (differentiable), the old policy's,
+    per-token `advantages`, the loss `mask`, the policy's `entropy` (needed when `settings.entropy_coef` is
+    not 0) and the reference's log-probs (needed when `settings.kl_coef` is not 0). Returns
+    `(sample_loss, metrics)`: `sample_loss[b]` is sample b's masked mean of `pg + kl_coef * kl -
+    entropy_coef * entropy` (differentiable); `metrics[k, b]` is its masked mean of `METRIC_NAMES[k]`
+    (detached).
+    """
+    if settings.kl_coef and ref_log_probs is None:
+        raise ValueError("--kl-coef > 0 needs the reference model's log-probs; the backend passed none")
+    if settings.entropy_coef and entropy is None:
+        raise ValueError("--entropy-coef needs the policy's entropy; the backend passed none")
+    pg_tok, clipped = policy_loss(log_probs, old_log_probs, advantages, settings.eps_clip, settings.eps_clip_high)
+    per_token = pg_tok
+    kl_tok = torch.zeros_like(pg_tok)
+    if ref_log_probs is not None:
+        kl_tok = kl_penalty(log_probs, ref_log_probs, settings.kl_loss_type)
+        per_token = per_token + settings.kl_coef * kl_tok
+    if settings.entropy_coef:
+        # An entropy bonus keeps sampling diverse: a policy that answers a prompt the same way eight times
+        # gives GRPO a zero-variance group and nothing to learn from.
+        per_token = per_token - settings.entropy_coef * entropy
+    sample_loss = masked_mean(per_token, mask)
+    with torch.no_grad():
+        ratio = torch.exp(log_probs - old_log_probs)
+        shown_entropy = entropy if entropy is not None else torch.zeros_like(pg_tok)
+        terms = (per_token, pg_tok, kl_tok, clipped, ratio, shown_entropy)
+        metrics = torch.stack([masked_mean(values.detach().float(), mask) for values in terms])
+    return sample_loss, metrics
 
 
 def pad_right(rows: Sequence[torch.Tensor], value: float = 0.0, dtype: torch.dtype | None = None) -> torch.Tensor:
