@@ -7,6 +7,7 @@ session ever downloads a CUDA build of torch: install it first with `pip install
     nox -s "transport(straw)"  the transport conformance suite of one transport (object-store, nixl, straw)
     nox -s e2e               end-to-end CPU runs (slow)
     nox -s sglang            the SGLang engine plugin against real SGLang 0.5.19 servers on CPU (own venv)
+    nox -s megatron          the Megatron train backend (megatron-core 0.16.1) on CPU over gloo: TP, PP, DP
     nox -s bench             benchmarks/: transport.py and e2e.py (JSON reports under benchmarks/results/)
 """
 
@@ -16,7 +17,7 @@ import xml.etree.ElementTree as ElementTree
 
 import nox
 
-nox.options.sessions = ["lint", "tests", "e2e", "sglang"]
+nox.options.sessions = ["lint", "tests", "e2e", "megatron", "sglang"]
 nox.options.reuse_existing_virtualenvs = True
 
 VENV = {"venv_backend": "venv", "venv_params": ["--system-site-packages"]}
@@ -52,7 +53,7 @@ def tests(session: nox.Session) -> None:
         "-m",
         "pytest",
         "-m",
-        "not gpu and not e2e and not sglang",
+        "not gpu and not e2e and not sglang and not megatron",
         "--timeout=600",
         *session.posargs,
         env={"HF_HUB_OFFLINE": "1"},
@@ -90,7 +91,15 @@ def transport_conformance(session: nox.Session, transport: str) -> None:
 @nox.session(**VENV)
 def e2e(session: nox.Session) -> None:
     _install_suite(session)
-    session.run("python", "-m", "pytest", "-m", "e2e and not sglang", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-m",
+        "e2e and not sglang and not megatron",
+        *session.posargs,
+        env={"HF_HUB_OFFLINE": "1"},
+    )
 
 
 SGLANG_CONSTRAINTS = "requirements/sglang-cpu-constraints.txt"
@@ -115,6 +124,33 @@ def sglang(session: nox.Session) -> None:
         "tests/sglang_engine",
         "-m",
         "sglang",
+        "--timeout=900",
+        *session.posargs,
+        env={"HF_HUB_OFFLINE": "1"},
+    )
+
+
+@nox.session(**VENV)
+def megatron(session: nox.Session) -> None:
+    """The Megatron train backend's tests (tests/megatron_backend, marker `megatron`, end-to-end runs included) on CPU.
+
+    A virtualenv of its own with the pinned megatron-core (`.[megatron]`); the machine's torch stays (a
+    constraint keeps the resolver from replacing it with a CUDA build).
+    """
+    session.run("python", "-c", "import torch", silent=True)
+    # Not under session.create_tmp(): it points TMPDIR there, and Ray's socket paths under it grow too long.
+    constraint = f"{session.virtualenv.location}/torch-constraint.txt"
+    torch_version = session.run("python", "-c", "import torch; print(torch.__version__.split('+')[0])", silent=True)
+    with open(constraint, "w") as handle:
+        handle.write(f"torch=={torch_version.strip()}\n")
+    session.install("-e", ".[cpu,test,megatron]", "-c", constraint)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "tests/megatron_backend",
+        "-m",
+        "megatron",
         "--timeout=900",
         *session.posargs,
         env={"HF_HUB_OFFLINE": "1"},

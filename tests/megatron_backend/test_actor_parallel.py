@@ -1,0 +1,119 @@
+"""The Megatron backend's rank (`MegatronTrainRayActor`) trains the same at every parallel layout, and resumes.
+
+Synthetic GRPO steps (megatron_actor_runs.py) through real ranks over gloo: TP=2, PP=2, DP=2 (plain and with
+the distributed optimizer) against one rank, step by step; checkpoints saved at one layout resume at the same
+one exactly and at another one with the same model and optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_actor_runs import run_ranks, synthetic_steps
+from slime.plugins.tiny_model import ensure_tiny_model
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+NUM_STEPS = 3
+LAYOUTS = {
+    "tp2": {"tensor_model_parallel_size": 2},
+    "pp2": {"pipeline_model_parallel_size": 2},
+    "dp2": {},
+    "dp2-distributed-optimizer": {"use_distributed_optimizer": True},
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tiny_model(tmp_path_factory.mktemp("megatron") / "model")
+
+
+@pytest.fixture(scope="module")
+def steps(model_dir: Path) -> list[dict]:
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    return synthetic_steps(NUM_STEPS, vocab)
+
+
+def _options(model_dir: Path, **overrides) -> dict:
+    return {
+        "train_backend": "megatron",
+        "hf_checkpoint": str(model_dir),
+        "lr": 1e-3,
+        "entropy_coef": 0.05,
+        "kl_coef": 0.01,
+        **overrides,
+    }
+
+
+@pytest.fixture(scope="module")
+def one_rank(model_dir: Path, steps: list, tmp_path_factory: pytest.TempPathFactory) -> tuple[list, dict]:
+    out = tmp_path_factory.mktemp("one-rank")
+    result = run_ranks(1, _options(model_dir), steps, out, export=str(out / "export"))
+    return result["metrics"], load_file(out / "export" / "model.safetensors")
+
+
+def _series(metrics: list[dict], name: str) -> list[float]:
+    return [step[name] for step in metrics]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_two_rank_layouts_train_like_one_rank(layout, model_dir, steps, one_rank, tmp_path):
+    reference, reference_weights = one_rank
+    out = tmp_path / layout
+    result = run_ranks(2, _options(model_dir, **LAYOUTS[layout]), steps, out, export=str(out / "export"))
+    metrics = result["metrics"]
+    for name in ("train/loss", "train/pg_loss", "train/kl", "train/entropy", "train/grad_norm"):
+        got, want = _series(metrics, name), _series(reference, name)
+        assert got == pytest.approx(want, abs=1e-6), f"{layout}: {name} {got} != {want}"
+    assert all(step["train/steps"] == 2 for step in metrics)
+    weights = load_file(out / "export" / "model.safetensors")
+    assert weights.keys() == reference_weights.keys()
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, reference_weights[name], atol=1e-5, rtol=0, msg=f"{layout}: {name}")
+
+
+def test_a_checkpoint_resumes_exactly_and_at_another_layout(model_dir, steps, tmp_path):
+    tp2 = _options(model_dir, tensor_model_parallel_size=2, save=str(tmp_path / "save"))
+    straight = run_ranks(2, {**tp2, "save": None}, steps, tmp_path / "straight")["metrics"]
+    run_ranks(2, tp2, steps[:2], tmp_path / "first", save_every_step=True)
+    saved = tmp_path / "save"
+    assert (saved / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert sorted(p.name for p in saved.iterdir() if p.name.startswith("iter_")) == ["iter_0000000", "iter_0000001"]
+    assert not list(saved.glob(".iter_*")), "a staging directory was left behind"
+    state = json.loads((saved / "iter_0000001" / "train_state.json").read_text())
+    assert (state["tensor_model_parallel_size"], state["global_step"]) == (2, 4)
+
+    resumed = run_ranks(2, {**tp2, "load": str(saved)}, steps[2:], tmp_path / "resumed")
+    assert resumed["first"] == 2
+    assert resumed["metrics"][0]["train/loss"] == straight[2]["train/loss"]
+    assert resumed["metrics"][0]["train/grad_norm"] == straight[2]["train/grad_norm"]
+
+    one_rank = {**tp2, "tensor_model_parallel_size": 1, "load": str(saved), "no_load_rng": True}
+    resharded = run_ranks(1, one_rank, steps[2:], tmp_path / "resharded")
+    assert resharded["metrics"][0]["train/loss"] == pytest.approx(straight[2]["train/loss"], abs=1e-6)
+
+
+def test_resuming_at_another_layout_with_the_random_state_is_refused(model_dir, steps, tmp_path):
+    options = _options(model_dir, tensor_model_parallel_size=2, save=str(tmp_path / "save"))
+    run_ranks(2, options, steps[:1], tmp_path / "first", save_every_step=True)
+    with pytest.raises(AssertionError, match="--no-load-rng"):
+        run_ranks(1, {**options, "tensor_model_parallel_size": 1, "load": options["save"]}, steps[1:], tmp_path / "x")
+
+
+def test_the_distributed_optimizer_resumes_at_its_layout_and_refuses_another(model_dir, steps, one_rank, tmp_path):
+    reference, _ = one_rank
+    options = _options(model_dir, use_distributed_optimizer=True, save=str(tmp_path / "save"))
+    run_ranks(2, options, steps[:2], tmp_path / "first", save_every_step=True)
+    resumed = run_ranks(2, {**options, "load": options["save"]}, steps[2:], tmp_path / "resumed")
+    assert resumed["metrics"][0]["train/loss"] == pytest.approx(reference[2]["train/loss"], abs=1e-6)
+
+    tp2 = {**options, "tensor_model_parallel_size": 2, "load": options["save"], "no_load_rng": True}
+    with pytest.raises(AssertionError, match="cannot reshard it to TP=2 PP=1"):
+        run_ranks(2, tp2, steps[2:], tmp_path / "refused")
+    fresh_optimizer = run_ranks(2, {**tp2, "no_load_optim": True}, steps[2:], tmp_path / "fresh-optimizer")
+    assert fresh_optimizer["first"] == 2
