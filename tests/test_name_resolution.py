@@ -249,7 +249,7 @@ def test_a_plain_string_registered_as_several_kinds_is_ambiguous(fake_plugin):
         (["--eval-function-path", "prompts"], "--eval-function-path: 'prompts' is a data source, not a rollout func"),
         (["--checkpoint-policy", "hourly"], "--checkpoint-policy: No checkpoint policy named 'hourly'"),
         (["--rollout-engine", "fully-async"], "--rollout-engine: 'fully-async' is a rollout function, not a rollout"),
-        (["--train-backend", "megatron"], "--train-backend: No train backend named 'megatron'"),
+        (["--train-backend", "deepspeed"], "--train-backend: No train backend named 'deepspeed'"),
     ],
 )
 def test_wrong_names_are_refused_at_parse_time(argv, message, capsys):

@@ -287,7 +287,7 @@ def build_model(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
 
-    config = transformer_config(
+    model_config = transformer_config(
         hf_config,
         layout,
         bf16=bf16,
@@ -295,9 +295,10 @@ def build_model(
         recompute_method=recompute_method,
         recompute_num_layers=recompute_num_layers,
     )
+    layer_spec = get_gpt_layer_local_spec(qk_layernorm=model_config.qk_layernorm, normalization="RMSNorm")
     model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm"),
+        config=model_config,
+        transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(hf_config.vocab_size, layout.tp),
         max_sequence_length=int(getattr(hf_config, "max_position_embeddings", 4096)),
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -312,17 +313,17 @@ def build_model(
         tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
     chunk: torch.nn.Module = model
     if bf16:
-        chunk = Float16Module(config, chunk)
+        chunk = Float16Module(model_config, chunk)
     if wrap_ddp:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
             use_distributed_optimizer=use_distributed_optimizer,
         )
-        chunk = DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk)
+        chunk = DistributedDataParallel(config=model_config, ddp_config=ddp_config, module=chunk)
         # The schedules call it after the last backward: the data-parallel gradient all-reduce, and the sum of the
         # tied embedding's gradients over the first and last pipeline stages.
-        config.finalize_model_grads_func = finalize_model_grads
+        model_config.finalize_model_grads_func = finalize_model_grads
     return [chunk]
 
 
