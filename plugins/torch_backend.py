@@ -446,7 +446,7 @@ class TorchTrainRayActor:
         if not self._all_ok(error is None):
             where = update.disk_dir if update.transport == "disk" else ", ".join(update.engine_urls)
             raise RuntimeError(
-                f"weight update {update.version} ({update.transport}) to {where} failed: {error or 'on rank 0'}"
+                f"weight update {update.version} ({update.transport}) to {where} failed: {error or 'on another rank'}"
             ) from error
 
     def _export_weights(self, target: Path, state: dict[str, torch.Tensor]) -> None:

@@ -570,6 +570,8 @@ class MegatronTrainRayActor:
         if update.transport == "disk":
             self._export_hf(Path(str(update.disk_dir)), f"weight update {update.version}")
             return
+        if not update.engine_urls:
+            return  # no engines to send to (the same on every rank): nothing to gather
         state = self._gather_hf()
         error: BaseException | None = None
         if self.rank == 0:
@@ -580,7 +582,7 @@ class MegatronTrainRayActor:
         if not self._all_ok(error is None):
             raise RuntimeError(
                 f"weight update {update.version} ({update.transport}) to {', '.join(update.engine_urls)} failed: "
-                f"{error or 'on rank 0'}"
+                f"{error or 'on another rank'}"
             ) from error
 
     def _gather_hf(self) -> dict[str, torch.Tensor] | None:
@@ -609,7 +611,7 @@ class MegatronTrainRayActor:
                 shutil.rmtree(staging, ignore_errors=True)
                 error = exc
         if not self._all_ok(error is None):
-            raise RuntimeError(f"{purpose}: writing {target} failed: {error or 'on rank 0'}") from error
+            raise RuntimeError(f"{purpose}: writing {target} failed: {error or 'on another rank'}") from error
 
 
 def _megatron_core_version() -> str:
