@@ -2,7 +2,8 @@
 
 `run_ranks(world_size, options, steps, out)` starts `world_size` processes over gloo; each builds one rank,
 trains `steps` (each a full rollout step, sharded here per data-parallel rank the way the batch builder
-plans it), optionally saves and exports, and rank 0 writes its per-step metrics to `out/metrics.json`.
+plans it), optionally saves, exports (`export=DIR`) and sends its weights to an engine (`send=(transport, url,
+version)`), and rank 0 writes its per-step metrics to `out/metrics.json`.
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ def _rank_main(rank: int, world_size: int, port: int, options: dict, steps: list
                 actor.save_model(first + offset)
         if actions.get("export"):
             actor.update_weights(WeightUpdate(version=1, transport="disk", disk_dir=actions["export"]))
+        if actions.get("send"):
+            transport, url, version = actions["send"]
+            update = WeightUpdate(version, transport, (url,), bucket_bytes=16 * 1024, timeout_s=60)
+            actor.update_weights(update)
         if rank == 0:
             Path(out, "metrics.json").write_text(json.dumps({"first": first, "metrics": metrics}))
     except BaseException:

@@ -117,3 +117,33 @@ def test_the_distributed_optimizer_resumes_at_its_layout_and_refuses_another(mod
         run_ranks(2, tp2, steps[2:], tmp_path / "refused")
     fresh_optimizer = run_ranks(2, {**tp2, "no_load_optim": True}, steps[2:], tmp_path / "fresh-optimizer")
     assert fresh_optimizer["first"] == 2
+
+
+def test_tp2_ranks_send_their_weights_to_a_running_engine(model_dir, steps, tmp_path):
+    """Gathered from both tensor-parallel ranks and sent by rank 0 through `slime.weight_sync` (gloo on CPU): the
+    engine then serves exactly the weights the ranks exported, as the new version."""
+    import httpx
+    from transformers import AutoModelForCausalLM
+
+    from slime.plugins.cpu_engine_server import EngineServer
+
+    engine = EngineServer(str(model_dir), num_threads=1)
+    try:
+        export = tmp_path / "export"
+        send = ("distributed", engine.url, 7)
+        run_ranks(
+            2, _options(model_dir, tensor_model_parallel_size=2), steps[:1], tmp_path, export=str(export), send=send
+        )
+        trained = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+        prompt = [5, 17, 42, 9, 33, 7]
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0}, "return_logprob": True}
+        meta = httpx.post(f"{engine.url}/generate", json=body, timeout=60).json()["meta_info"]
+        tokens = [token for _, token, *_ in meta["output_token_logprobs"]]
+        with torch.no_grad():
+            log_probs = torch.log_softmax(trained(torch.tensor([prompt + tokens])).logits[0], -1)
+        ours = [log_probs[len(prompt) - 1 + i, token].item() for i, token in enumerate(tokens)]
+        served = [log_prob for log_prob, *_ in meta["output_token_logprobs"]]
+        assert meta["weight_version"] == "7"
+        assert max(abs(a - b) for a, b in zip(served, ours, strict=True)) < 1e-4
+    finally:
+        engine.stop()
