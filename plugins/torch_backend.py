@@ -42,7 +42,7 @@ from slime.plugins.rl_losses import (
 from slime.plugins.torch_optim import build_optimizer
 from slime.plugins.torch_parallel import Parallelism
 from slime.plugins.torch_settings import TrainSettings
-from slime.plugins.train_batch import TrainBatch, planned_schedule
+from slime.plugins.train_batch import TrainBatch, planned_schedule, rank_and_world
 from slime.specs import TrainBackendSpec
 from slime.weight_sync import WeightUpdate, send_weights
 
@@ -66,14 +66,7 @@ class TorchTrainRayActor:
         master_addr: str | None = None,
         master_port: int | None = None,
     ) -> None:
-        self.world_size = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(rank if rank is not None else os.environ.get("RANK", "0"))
-        if master_addr is not None:
-            os.environ["MASTER_ADDR"] = master_addr
-        if master_port is not None:
-            os.environ["MASTER_PORT"] = str(master_port)
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside world size {self.world_size} (RANK / WORLD_SIZE)")
+        self.world_size, self.rank = rank_and_world(world_size, rank, master_addr, master_port)
         self.settings: TrainSettings | None = None
         self.model: Any = None
 

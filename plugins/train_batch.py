@@ -2,12 +2,13 @@
 
 `TrainBatch.from_data(data)` takes the dict `slime.utils.data.process_rollout_data` returns and checks it at
 the boundary (every sample has a prompt and a response, loss masks and advantages fit the response), so the
-backends' training loops can trust it. `optimizer_schedule` reads the batch builder's plan of optimizer steps
+backends' training loops can trust it. `planned_schedule` reads the batch builder's plan of optimizer steps
 and micro batches.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -81,6 +82,22 @@ class TrainBatch:
     def has_signal(self, advantages: list[torch.Tensor], micro_batches: list[list[int]]) -> bool:
         """Whether any sample of `micro_batches` has a non-zero advantage on a token the loss counts."""
         return any(bool((advantages[i] * self.loss_masks[i]).ne(0).any()) for mb in micro_batches for i in mb)
+
+
+def rank_and_world(
+    world_size: int | None, rank: int | None, master_addr: str | None, master_port: int | None
+) -> tuple[int, int]:
+    """A training rank's `(world_size, rank)`: the explicit values when given, else `WORLD_SIZE` / `RANK` from the
+    environment; an explicit `master_addr` / `master_port` is put into the environment for the process group."""
+    world = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", "1"))
+    own = int(rank if rank is not None else os.environ.get("RANK", "0"))
+    if master_addr is not None:
+        os.environ["MASTER_ADDR"] = master_addr
+    if master_port is not None:
+        os.environ["MASTER_PORT"] = str(master_port)
+    if not 0 <= own < world:
+        raise ValueError(f"rank {own} is outside world size {world} (RANK / WORLD_SIZE)")
+    return world, own
 
 
 def planned_schedule(data: dict[str, Any]) -> list[tuple[int, list[list[int]]]] | None:

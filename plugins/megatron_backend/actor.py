@@ -33,7 +33,7 @@ from slime.plugins.megatron_backend import checkpoint as mckpt
 from slime.plugins.megatron_backend.settings import MegatronSettings, check_model
 from slime.plugins.rl_losses import METRIC_NAMES, pad_right, rl_loss
 from slime.plugins.torch_optim import lr_multiplier
-from slime.plugins.train_batch import TrainBatch, planned_schedule
+from slime.plugins.train_batch import TrainBatch, planned_schedule, rank_and_world
 from slime.weight_sync import WeightUpdate, send_weights
 
 logger = logging.getLogger(__name__)
@@ -52,14 +52,7 @@ class MegatronTrainRayActor:
         master_addr: str | None = None,
         master_port: int | None = None,
     ) -> None:
-        self.world_size = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(rank if rank is not None else os.environ.get("RANK", "0"))
-        if master_addr is not None:
-            os.environ["MASTER_ADDR"] = master_addr
-        if master_port is not None:
-            os.environ["MASTER_PORT"] = str(master_port)
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside world size {self.world_size} (RANK / WORLD_SIZE)")
+        self.world_size, self.rank = rank_and_world(world_size, rank, master_addr, master_port)
         self.settings: MegatronSettings | None = None
         self.model: list[Any] = []
 
