@@ -140,8 +140,8 @@ def _train_step(
     norms = []
     for start in range(0, len(sequences), size):
         chunk = slice(start, start + size)
-        if not advantages[chunk].ne(0).any():
-            continue  # no signal: the trainer takes no optimizer step either (see TorchTrainRayActor)
+        if not config.entropy_coef and not advantages[chunk].ne(0).any():
+            continue  # no signal and no other term: the trainer takes no optimizer step either (LossSettings)
         log_probs, mask, entropy = _response_log_probs(model, sequences[chunk])
         width = log_probs.shape[1]
         loss_tok, _ = policy_loss(

@@ -35,6 +35,14 @@ class LossSettings(Settings):
     kl_loss_type: str = option("kl_loss_type", "k3", choices=KL_ESTIMATORS)
     entropy_coef: float = option("entropy_coef", 0.0, convert=float)
 
+    @property
+    def needs_advantages(self) -> bool:
+        """Whether the loss's gradient is zero when every advantage is: true unless a KL penalty or an entropy
+        bonus acts on the policy regardless of advantages. The backends skip an optimizer step without signal
+        only then: skipping it with an entropy bonus would leave a policy that has stopped exploring (every
+        group answering alike) stuck, with nothing left to push it back."""
+        return not (self.kl_coef or self.entropy_coef)
+
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Mean of `values` over `dim` counting only masked-in tokens; 0 for a row with no token in the mask."""

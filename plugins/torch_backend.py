@@ -208,9 +208,9 @@ class TorchTrainRayActor:
         grad_norms = []
         skipped = 0
         for global_size, step_micro_batches in schedule:
-            if not self._has_signal(batch, advantages, step_micro_batches):
-                # Every advantage is 0 (all its prompt groups answered alike): the gradient would be 0, and an
-                # AdamW step on it would only move the weights further along stale momentum.
+            if loss.needs_advantages and not self._has_signal(batch, advantages, step_micro_batches):
+                # Every advantage is 0 (all its prompt groups answered alike) and the loss has no other term: the
+                # gradient would be 0, and an AdamW step on it would only move the weights along stale momentum.
                 skipped += 1
                 continue
             self.optimizer.zero_grad(set_to_none=True)

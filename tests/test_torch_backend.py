@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from slime.plugins import torch_checkpoint as ckpt
-from slime.plugins.rl_losses import kl_penalty, masked_mean, policy_loss
+from slime.plugins.rl_losses import LossSettings, kl_penalty, masked_mean, policy_loss
 from slime.plugins.torch_backend import TorchTrainRayActor
 from slime.weight_sync import WeightUpdate
 
@@ -202,6 +202,22 @@ def test_an_optimizer_step_without_signal_is_skipped(hf_dir, tmp_path):
     data["rewards"] = [0.0, 0.0, 1.0, 0.0]  # only the second step has signal
     metrics = actor.train_from_data(2, data)
     assert metrics["train/steps"] == 1.0 and metrics["train/skipped_steps"] == 1.0 and actor.global_step == 3
+
+
+def test_an_entropy_bonus_still_steps_when_every_advantage_is_zero(hf_dir, tmp_path):
+    """A policy whose groups all answer alike gets no policy-gradient signal; the entropy bonus is what pushes it
+    back to exploring, so the step is taken, on the entropy term alone."""
+    actor, _ = start(make_args(hf_dir, tmp_path, entropy_coef=0.5))
+    data = make_batch(rewards=(0.0, 0.0, 0.0, 0.0))
+    weights = params(actor)
+    metrics = actor.train_from_data(0, data)
+    assert metrics["train/steps"] == 1.0 and metrics["train/skipped_steps"] == 0.0 and actor.global_step == 1
+    assert metrics["train/pg_loss"] == 0.0 and metrics["train/entropy"] > 0.0
+    assert metrics["train/loss"] == pytest.approx(-0.5 * metrics["train/entropy"])
+    assert not all(torch.equal(weights[k], v) for k, v in params(actor).items()), "the step left the weights alone"
+    assert LossSettings.from_args(make_args(hf_dir, tmp_path)).needs_advantages
+    assert not LossSettings.from_args(make_args(hf_dir, tmp_path, entropy_coef=0.5)).needs_advantages
+    assert not LossSettings.from_args(make_args(hf_dir, tmp_path, kl_coef=0.1)).needs_advantages
 
 
 def test_engine_log_probs_are_compared_with_the_trainers(hf_dir, tmp_path):

@@ -202,8 +202,9 @@ class MegatronTrainRayActor:
         self._sums = torch.zeros(len(METRIC_NAMES) + 1, dtype=torch.float64)
         grad_norms, skipped = [], 0
         for global_size, step_micro_batches in schedule:
-            if not self._any_rank(batch.has_signal(advantages, step_micro_batches)):
-                # Every advantage is 0: the gradient would be 0, and an Adam step would only follow stale momentum.
+            if settings.loss.needs_advantages and not self._any_rank(batch.has_signal(advantages, step_micro_batches)):
+                # Every advantage is 0 and the loss has no other term: the gradient would be 0, and an Adam step
+                # would only follow stale momentum.
                 skipped += 1
                 continue
             grad_norms.append(
