@@ -1,20 +1,29 @@
-"""`SlimeRunProcess`: one `slime-run` command in a process group of its own, for tests and benchmarks.
+"""`SlimeRunProcess`: one `slime-run` command, every process of which can be killed at once, for tests and benchmarks.
 
-The command runs as `python -m slime.cli ARGS` in a new session, so it starts its own local Ray instance and
-everything it spawns (Ray's GCS and raylet, engine and trainer workers) shares its process group. `kill()`
-SIGKILLs that whole group at once, the way a machine failure would end a run; `wait()` also removes any Ray
-helper that outlived a driver which exited normally. Output goes to a log file, whose tail every error shows.
+The command runs as `python -m slime.cli ARGS` in a new session, so it starts its own local Ray instance. Its
+environment carries a tag of its own (`run_processes.TAG_VARIABLE`) that everything it spawns inherits: Ray's
+GCS and raylet, every Ray worker (each in a process group of its own) and the engine servers. `kill()` freezes
+and SIGKILLs all of them at once, the way a machine failure would end a run, and `processes()` lists what is
+still alive (nothing, after a kill); `wait()` also removes any Ray helper that outlived a driver which exited
+normally. Output goes to a log file, whose tail every error shows.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from slime.utils.external_utils.run_processes import (
+    TAG_VARIABLE,
+    command_line,
+    kill_tagged,
+    new_tag,
+    tagged_processes,
+)
 
 
 class SlimeRunProcess:
@@ -22,7 +31,9 @@ class SlimeRunProcess:
 
     def __init__(self, args: Sequence[str], log: Path, cwd: Path, env: Mapping[str, str] | None = None) -> None:
         self.log = Path(log)
+        self.tag = new_tag()
         environment = {**os.environ, "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1", **(env or {})}
+        environment[TAG_VARIABLE] = self.tag
         environment.pop("RAY_ADDRESS", None)  # never join a cluster the caller happens to run
         self.started = time.time()
         with open(self.log, "ab") as handle:
@@ -41,13 +52,20 @@ class SlimeRunProcess:
     def log_tail(self, chars: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
+    def processes(self) -> list[int]:
+        """The pids of this run's live processes (driver, Ray's, workers', engines')."""
+        return tagged_processes(self.tag)
+
+    def processes_named(self, prefix: str) -> list[int]:
+        """The pids of this run's live processes whose command line starts with `prefix` (a Ray actor's process
+        is `ray::<class name>`, e.g. `ray::TorchTrainRayActor`)."""
+        return [pid for pid in self.processes() if command_line(pid).startswith(prefix)]
+
     def kill(self) -> float:
-        """SIGKILL the whole process group; returns the wall-clock time of the kill."""
+        """SIGKILL every process of the run at once (see the module docstring); returns the wall-clock time of
+        the kill. Raises RuntimeError when a process survives it."""
         killed_at = time.time()
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_tagged(self.tag)
         self.process.wait(timeout=30)
         return killed_at
 
