@@ -278,3 +278,25 @@ def test_fork_queue_activates_once(tmp_path):
     same.load = str(parent)
     with pytest.raises(ValueError, match="isolated output branch"):
         RolloutQueueController(same, restore_plan=_plan(parent, mode="snapshot"))
+
+
+def test_a_run_that_trained_before_its_first_commit_reruns_on_a_fresh_queue(tmp_path):
+    """Its trained progress belongs to a model no commit kept: the rerun, back at the initial model, must train
+    those prompt groups again rather than find them marked processed."""
+    from slime.data.queue_controller import TRAINING_CONSUMER
+
+    root = tmp_path / "run"
+    plan = _plan(root)
+    with closing(RolloutQueueController(_args(root), restore_plan=plan)) as first:
+        receipt = _collect(first, 0, {"step": 0})
+        state = {"version": 1, "processed_cursor": 0, "fetch_cursor": 0, "processed_positions": [], "batches": []}
+        first._advance(state, [receipt.position])  # what the batch builder records once step 0 trained
+        first._save_training_state(state)
+        assert first.queue.load_consumer_state(TRAINING_CONSUMER) is not None
+    resume = _plan(root, mode="resume", queue_id=plan.queue_id)
+    with closing(RolloutQueueController(_args(root), restore_plan=resume)) as again:
+        fresh = again.restore_plan.queue_id
+        assert fresh != plan.queue_id and again.restore_plan.mode == "new"
+        assert again.training_state() is None and list(again.queue.read_commits().commits) == []
+        branch = json.loads((root / "rollout" / "branch.json").read_text())
+        assert branch["queue_id"] == fresh and branch["restarted_from_queue"] == plan.queue_id

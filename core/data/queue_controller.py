@@ -83,6 +83,10 @@ class RolloutQueueController(PromptTasks):
             if not hasattr(coordinator, "yield_tasks"):
                 raise RuntimeError("straw-queue is too old for slime: upgrade with `pip install -U straw-queue`")
             options, recover, fork = self._queue_options(plan)
+            if recover and plan.mode == "resume" and self._training_advanced(coordinator, options):
+                plan = self._start_over(plan)
+                self.restore_plan = plan
+                options, recover, fork = self._queue_options(plan)
             self._queue = coordinator(
                 self.store,
                 **options,
@@ -155,6 +159,35 @@ class RolloutQueueController(PromptTasks):
         from straw.protocol import digest
 
         return (Path(self.store.backend.root) / "queues" / digest(queue_id) / "run.json").exists()
+
+    def _training_advanced(self, coordinator: Any, options: dict) -> bool:
+        """Whether the interrupted run's queue records training progress (a saved `"training"` consumer state).
+
+        Before a run's first joint commit, such progress belongs to a model that was never committed: the rerun
+        starts from the initial model again, and continuing this queue would leave the prompt groups that model
+        trained marked processed, so the lineage would never train them."""
+        peek = coordinator(self.store, **options, exclusive_owner=f"slime resume check pid={os.getpid()}", recover=True)
+        try:
+            return peek.load_consumer_state(TRAINING_CONSUMER) is not None
+        finally:
+            peek.close()
+
+    def _start_over(self, plan: RestorePlan) -> RestorePlan:
+        """A fresh queue for a run whose interrupted attempt trained before its first commit (see
+        `_training_advanced`): the same branch directory, configuration and pool; the dataset from its start. The
+        old queue is left to the pool's garbage collection."""
+        queue_id = f"run:{uuid.uuid4().hex}"
+        branch = {**(plan.branch or {}), "queue_id": queue_id, "restarted_from_queue": plan.queue_id}
+        logger.warning(
+            "The interrupted run trained before its first joint commit; that progress is lost with its model, so this "
+            "run starts over on a fresh queue %s (was %s)",
+            queue_id,
+            plan.queue_id,
+        )
+        _facade().write_report(
+            Path(self.args.save) / "rollout" / "branch.json", {**branch, "pool": self.args.rollout_data_dir}
+        )
+        return RestorePlan("new", plan.root, plan.expected_current, branch, queue_id, None)
 
     def _queue_options(self, plan: RestorePlan) -> tuple[dict, bool, bool]:
         """(Coordinator queue options, recover flag, whether this is a fork of a checkpoint)."""
