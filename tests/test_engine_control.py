@@ -5,6 +5,7 @@ and bodies of the calls against `_RecordingEngine`, an HTTP server that answers 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
@@ -199,3 +200,58 @@ def test_without_offload_engines_keep_their_memory(recording, monkeypatch):
     manager.generate(0)
     manager.prepare_weight_update()
     assert _paths(recording) == ["POST /pause_generation"] * 2
+
+
+class _EngineDroppingUpdates(_RecordingEngine):
+    """Drops its next `drops[0]` disk updates unanswered (like an engine killed while loading), then answers."""
+
+    drops: list
+
+    def do_POST(self):
+        if self.path == "/update_weights_from_disk" and self.drops[0] > 0:
+            self.drops[0] -= 1
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.close_connection = True
+            return
+        super().do_POST()
+
+
+@pytest.mark.parametrize("drops", [1, 2])
+def test_an_engine_lost_during_a_disk_update_is_relaunched_and_sent_the_weights_again_once(monkeypatch, drops):
+    handler = type("Engine", (_EngineDroppingUpdates,), {"calls": [], "drops": [drops]})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        manager = _manager(SimpleNamespace(), [f"http://127.0.0.1:{server.server_address[1]}"])
+        boundary = []
+        monkeypatch.setattr(manager, "_check_engines", lambda: boundary.append("check"))
+        monkeypatch.setattr(manager, "recover_updatable_engines", lambda: boundary.append("recover"))
+        if drops == 2:  # lost again after the relaunch: the error, not a third try
+            with pytest.raises(EngineRequestError, match="did not answer POST /update_weights_from_disk"):
+                manager.update_weights_from_disk("/weights/weight_v000001", "1")
+            assert boundary == ["check", "recover"] * 2 and manager.weight_version == 0
+            return
+        manager.update_weights_from_disk("/weights/weight_v000001", "1")
+        # Health-checked and recovered before the first send and again before the second, then serving version 1.
+        assert boundary == ["check", "recover"] * 2 and manager.weight_version == 1
+        assert [path for _, path, _ in handler.calls].count("/update_weights_from_disk") == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_engine_lost_after_loading_is_left_out_and_the_others_go_on(recording, monkeypatch):
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    lost = f"http://127.0.0.1:{dead.getsockname()[1]}"
+    try:
+        manager = _manager(SimpleNamespace(), [recording.urls[0], lost])
+        server = manager.servers["model"]
+        # The health check finds the lost engine dead: its slot is emptied (`RolloutServer.mark_engine_dead`).
+        monkeypatch.setattr(manager, "_check_engines", lambda: server.all_engines.__setitem__(1, None))
+        recording.version = "5"
+        manager.finish_weight_update(5)
+        assert manager.weight_version == 5 and manager.engine_urls() == [recording.urls[0]]
+        assert _paths(recording)[-1] == "POST /continue_generation"
+    finally:
+        dead.close()

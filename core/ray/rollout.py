@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from slime.engine_control import (
+    EngineUnreachableError,
     check_weight_version,
     continue_generation,
     pause_generation,
@@ -202,7 +203,7 @@ class RolloutManager:
         self._resume_engine_memory()
         self.health_monitoring_resume()
         result = self._generate(rollout_id, start_time)
-        self._finish_rollout()
+        self._check_engines()
         self._release_engine_memory()
         return result
 
@@ -215,7 +216,7 @@ class RolloutManager:
         self.health_monitoring_resume()
         with rollout_session_scope(self.transport.rollout_session(self.controller)):
             result = call_rollout_fn(self.eval_generate_rollout, args, rollout_id, self.data_source, evaluation=True)
-        self._finish_rollout()
+        self._check_engines()
         save_debug_rollout_data(
             self.settings.save_debug_rollout_data, result.data, rollout_id=rollout_id, evaluation=True
         )
@@ -310,8 +311,9 @@ class RolloutManager:
         for monitor in self._health_monitors:
             monitor.pause()
 
-    def _finish_rollout(self) -> None:
-        """Rollout boundary: monitors pause and check every engine once (the serving cluster's, or ours)."""
+    def _check_engines(self) -> None:
+        """At the rollout boundary and before a weight update: monitors pause and check every engine once (the
+        serving cluster's, or ours), marking the dead ones so `recover_updatable_engines` relaunches them."""
         if self.serving is not None:
             self.servers = ray.get(self.serving.finish_rollout.remote())
             return
@@ -349,7 +351,16 @@ class RolloutManager:
         """Before the training ranks send weights: relaunch dead engines (a relaunched engine then serves these
         weights from the next step on), give engines that released their memory (`--offload-rollout`) their
         memory back and pause generation everywhere (`--partial-rollout`: mode "retract", else "abort").
-        Returns the URLs of the engines to send the weights to."""
+        Returns the URLs of the engines to send the weights to. An engine lost meanwhile is relaunched and the
+        preparation repeated once."""
+        try:
+            return self._prepare_engines()
+        except EngineUnreachableError as exc:
+            logger.warning("%s; relaunching dead engines and preparing the weight update again", exc)
+            return self._prepare_engines()
+
+    def _prepare_engines(self) -> list[str]:
+        self._check_engines()  # an engine may have died since the rollout boundary (during training, saving)
         self.recover_updatable_engines()
         self._publish_engine_urls()
         self._resume_engine_memory()
@@ -360,7 +371,17 @@ class RolloutManager:
     def finish_weight_update(self, version: int) -> None:
         """After weight `version` was sent: check that every engine serves it (an error naming the engines that
         do not), then let them generate again. No engine waits for a weight connection any more
-        (`num_new_engines` = 0)."""
+        (`num_new_engines` = 0). An engine lost after it loaded is marked dead here (and relaunched, with the
+        weights of the time, at the next update); the others go on."""
+        try:
+            self._check_and_continue(version)
+        except EngineUnreachableError as exc:
+            logger.warning("%s; leaving the lost engine out until the next weight update relaunches it", exc)
+            self._check_engines()
+            self._publish_engine_urls()
+            self._check_and_continue(version)
+
+    def _check_and_continue(self, version: int) -> None:
         urls = self._updatable_urls()
         check_weight_version(urls, version, self.settings.http_timeout_s)
         if self.serving is not None:
@@ -376,7 +397,13 @@ class RolloutManager:
         `prepare_weight_update` and `finish_weight_update`."""
         urls = self.prepare_weight_update()
         body = {"model_path": model_path, "weight_version": weight_version}
-        post_engines(urls, "/update_weights_from_disk", body, self.settings.http_timeout_s)
+        try:
+            post_engines(urls, "/update_weights_from_disk", body, self.settings.http_timeout_s)
+        except EngineUnreachableError as exc:
+            # An engine died while loading: relaunch it and have every engine load the same files again, once.
+            logger.warning("%s; relaunching dead engines and sending weight version %s again", exc, weight_version)
+            urls = self.prepare_weight_update()
+            post_engines(urls, "/update_weights_from_disk", body, self.settings.http_timeout_s)
         self.finish_weight_update(int(weight_version))
 
     def _release_engine_memory(self) -> None:
