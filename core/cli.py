@@ -3,6 +3,7 @@
 slime-run [--plugin NAME ...] [run options]     train (see `slime-run --help`)
 slime-run plugins [--plugin NAME ...]           list loaded plugins, versions, hooks and what each provides
 slime-run archive show PATH [--export OUT.pt]   inspect a `*.straw.json` debug archive
+slime-run runs [audit] DIR [--json]             inspect a save directory's branches and commits; audit its lineage
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from slime.errors import RunInterrupted, UsageError
 from slime.plugin_manager import PluginError, PluginSelection, build_plugin_manager, collect_registry
 from slime.utils.arguments import add_plugin_arguments
 
@@ -49,12 +51,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             from slime.archive_cli import run_archive_cli
 
             return run_archive_cli(argv[1:])
+        if argv and argv[0] == "runs":
+            from slime.runs_cli import run_runs_cli
+
+            return run_runs_cli(argv[1:])
         from slime.train import main as train_main
 
         return train_main(argv) or 0
-    except PluginError as exc:
+    except (PluginError, UsageError) as exc:
         print(f"slime-run: error: {exc}", file=sys.stderr)
         return 2
+    except RunInterrupted as exc:
+        print(f"slime-run: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
