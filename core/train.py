@@ -20,20 +20,26 @@ if __name__ == "__main__":
     _here = os.path.dirname(os.path.realpath(__file__))
     sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != _here]
 
+import contextlib
 import logging
+import re
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
+from ray.exceptions import RayActorError, RayTaskError
 
 from slime.data.checkpoint import save_checkpoint
 from slime.data.data_source import prompt_record_keys, read_prompt_records
+from slime.data.run_lock import hold_save_directory
+from slime.errors import RunInterrupted, UsageError
 from slime.interfaces import run_transport
 from slime.observability.logging_utils import configure_logger, finish_tracking, init_tracking
 from slime.observability.phase_timer import PhaseTimer
 from slime.ray.placement_group import create_placement_groups, create_rollout_manager, create_training_models
 from slime.ray.settings import DriverSettings, InputSettings, check_run_settings
+from slime.storage_errors import fault_message, storage_fault
 from slime.utils.arguments import parse_args
 from slime.utils.hf_checkpoint import validate_hf_checkpoint_dir
 from slime.utils.misc import should_run_periodic_action
@@ -157,11 +163,32 @@ def check_run_inputs(args: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line, start the run on Ray, train, and tear the run down."""
     configure_logger()
-    args, restore_plan = parse_args(argv, return_restore_plan=True)
+    args = parse_args(argv)
+    try:
+        with contextlib.ExitStack() as held:
+            if args.save:
+                # Before the checkpoint is selected: two runs must never both pick the same commit to continue from.
+                held.enter_context(hold_save_directory(args.save))
+            return _run(args)
+    except OSError as exc:
+        # Storage that refuses writes before the run started (a rerun before the disk was freed) or while it let go
+        # of the save directory: the same one line as in `_run`.
+        pool = getattr(args, "rollout_data_dir", None)
+        if (fault := storage_fault(exc, (args.save, pool))) is None:
+            raise
+        raise RunInterrupted(fault_message(fault, save=args.save, pool=pool)) from exc
+
+
+def _run(args: Any) -> int:
+    """Select what to restore, start the run on Ray, train, and tear the run down."""
+    args, restore_plan = run_transport(args).resolve_restore()
     # Settle storage paths once here, so checkpoints record them and every actor sees the same ones.
     run_transport(args).prepare_storage()
     _Observers(args.plugin_selection).call("slime_run_start", args=args)
-    check_run_inputs(args)
+    try:
+        check_run_inputs(args)
+    except (OSError, ValueError) as exc:  # the run's own input files, before anything starts
+        raise UsageError(str(exc)) from exc
     check_run_settings(args)
     if not ray.is_initialized():
         ray.init()
@@ -171,6 +198,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         pgs = create_placement_groups(args)
         rollout_manager, num_rollout_per_epoch = create_rollout_manager(args, pgs["rollout"], restore_plan=restore_plan)
         train(args, pgs, rollout_manager, num_rollout_per_epoch, restore_plan)
+    except RayActorError as exc:
+        # A process of the run died (killed, out of memory, its node lost): not a bug to show in full, but the
+        # end of this run; its last joint commit is intact and the same command resumes from it.
+        logger.warning("a Ray actor of the run died: %s", exc)
+        if rollout_manager is not None:
+            ray.kill(rollout_manager, no_restart=True)
+        raise RunInterrupted(_actor_death_message(exc, restore_plan.root or args.save)) from exc
+    except (OSError, RayTaskError) as exc:
+        # Storage under the save dir or the straw pool that refuses writes (full, over quota, read-only) is the
+        # user's to fix, not a bug: one line naming the path and the operation; the last joint commit is intact (its
+        # marker is written last) and the same command resumes from it. Any other error: logged and re-raised.
+        logger.exception("training failed; stopping the rollout manager")
+        if rollout_manager is not None:
+            ray.kill(rollout_manager, no_restart=True)
+        root, pool = restore_plan.root or args.save, getattr(args, "rollout_data_dir", None)
+        fault = storage_fault(exc, (root, pool))
+        if fault is None:
+            raise
+        raise RunInterrupted(fault_message(fault, save=root, pool=pool)) from exc
     except BaseException:
         logger.exception("training failed; stopping the rollout manager")
         if rollout_manager is not None:
@@ -180,6 +226,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         finish_tracking(args)
     ray.kill(rollout_manager, no_restart=True)
     return 0
+
+
+def _actor_death_message(exc: BaseException, save: str | None) -> str:
+    """What the user reads when an actor of the run died: which one, and how to go on."""
+    named = re.search(r"class_name: (\w+)", str(exc))
+    actor = f"the {named.group(1)} actor" if named else "an actor of the run"
+    if not save:
+        return f"{actor} died, so the run stopped (it saves no checkpoints: rerun it to start over)"
+    return (
+        f"{actor} died, so the run stopped; what it committed is intact: rerun the same command to resume from its "
+        f"last joint commit (`slime-run runs {save}` shows which step that is)"
+    )
 
 
 if __name__ == "__main__":
