@@ -44,6 +44,7 @@ from slime.plugins.torch_parallel import Parallelism
 from slime.plugins.torch_settings import TrainSettings
 from slime.plugins.train_batch import TrainBatch, planned_schedule, rank_and_world
 from slime.specs import TrainBackendSpec
+from slime.storage_errors import with_context
 from slime.weight_sync import WeightUpdate, send_weights
 
 logger = logging.getLogger(__name__)
@@ -389,9 +390,14 @@ class TorchTrainRayActor:
                         self._write_rank0_checkpoint(root, staging, rollout_id, model_state, optimizer_state)
                 except BaseException as exc:
                     error = exc
+        storage_error = None
         if self.rank == 0 and error is not None:
+            # A full or read-only filesystem, named before the cleanup frees space (torch's writer hides the errno).
+            storage_error = with_context(error, ckpt.iter_dir(root, rollout_id), "saving the model checkpoint")
             shutil.rmtree(staging, ignore_errors=True)
         if not self._all_ok(error is None):
+            if storage_error is not None:
+                raise storage_error from error
             if error is not None:
                 raise RuntimeError(f"saving {ckpt.iter_dir(root, rollout_id)} failed: {error}") from error
             raise RuntimeError(f"saving {ckpt.iter_dir(root, rollout_id)} failed on another rank")
@@ -438,6 +444,10 @@ class TorchTrainRayActor:
             error = exc
         if not self._all_ok(error is None):
             where = update.disk_dir if update.transport == "disk" else ", ".join(update.engine_urls)
+            if update.transport == "disk" and error is not None:
+                operation = "exporting the new weights for the engines"
+                if (storage_error := with_context(error, str(where), operation, probe=False)) is not None:
+                    raise storage_error from error
             raise RuntimeError(
                 f"weight update {update.version} ({update.transport}) to {where} failed: {error or 'on another rank'}"
             ) from error

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from slime.data.checkpoint_settings import CheckpointSettings
 from slime.data.straw_settings import StrawSettings
+from slime.storage_errors import with_context
 from slime.utils.atomic_files import fsync_path
 
 logger = logging.getLogger(__name__)
@@ -137,18 +138,22 @@ def commit_checkpoint(
         fsync_path(path)
         files[path.relative_to(root).as_posix()] = _describe(path, hashed=True)
     fsync_path(root / "rollout")
-    write_report(
-        marker,
-        {
-            "version": MARKER_VERSION,
-            "rollout_id": rollout_id,
-            "files": files,
-            "resumable": resumable,
-            "weight_version": weight_version if weight_version is not None else rollout_id + 1,
-            "rollout_data_dir": str(Path(straw.pool).resolve()) if straw.pool else None,
-            "run_id": straw.run_id,
-        },
-    )
+    record = {
+        "version": MARKER_VERSION,
+        "rollout_id": rollout_id,
+        "files": files,
+        "resumable": resumable,
+        "weight_version": weight_version if weight_version is not None else rollout_id + 1,
+        "rollout_data_dir": str(Path(straw.pool).resolve()) if straw.pool else None,
+        "run_id": straw.run_id,
+    }
+    try:
+        write_report(marker, record)
+    except OSError as exc:  # a full or read-only filesystem: name the marker (a failed write names no file)
+        storage_error = with_context(exc, marker, "committing the joint checkpoint", probe=False)
+        if storage_error is None:
+            raise
+        raise storage_error from exc
     if restore_plan is not None and restore_plan.root:
         _advance_logical_root(Path(restore_plan.root), root, rollout_id)
     return marker

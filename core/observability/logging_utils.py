@@ -81,7 +81,10 @@ def finish_tracking(args: Any) -> None:
     with _files_lock:
         handle = _files.pop(str(path), None)
     if handle is not None:
-        handle.close()
+        try:
+            handle.close()
+        except OSError as exc:  # a line whose write already failed (full or read-only storage) and was reported
+            logger.warning("closing %s dropped a metrics line that could not be written: %s", path, exc)
 
 
 def _mean(values: list) -> float | None:

@@ -35,6 +35,7 @@ import ray
 
 from slime.backend_interfaces import weight_dir
 from slime.ray.settings import TrainGroupSettings
+from slime.storage_errors import with_context
 from slime.weight_sync import WeightUpdate
 
 logger = logging.getLogger(__name__)
@@ -246,7 +247,13 @@ class RayTrainGroup:
             )
         ray.get(self._rollout_manager.update_weights_from_disk.remote(str(directory), version))
         if not self.settings.update_weight_disk_keep_files:
-            shutil.rmtree(directory)
+            try:
+                shutil.rmtree(directory)
+            except OSError as exc:  # rmtree names the file relative to the directory: name the directory
+                storage_error = with_context(exc, directory, "handing the new weights to the engines", probe=False)
+                if storage_error is None:
+                    raise
+                raise storage_error from exc
 
 
 def _master_address(placement_group: Any, bundle_index: int) -> tuple[str, int]:
