@@ -24,8 +24,10 @@ DEMO_TARGET, DEMO_WINDOW = 0.9, 10
 
 
 def branches(save: Path) -> list[Path]:
-    """The save root and every branch a rerun created under it, oldest first."""
-    forks = sorted((save / "branches").glob("*"), key=lambda p: (p / "rollout" / "branch.json").stat().st_mtime)
+    """The save root and every branch a rerun created under it, oldest first (a branch a starting run has not
+    published yet, with no `branch.json`, is left out)."""
+    published = [path for path in (save / "branches").glob("*") if (path / "rollout" / "branch.json").exists()]
+    forks = sorted(published, key=lambda p: (p / "rollout" / "branch.json").stat().st_mtime)
     return [save, *forks]
 
 
@@ -142,3 +144,13 @@ def assert_trained_once(save: Path, committed_steps: list[int]) -> None:
         assert stride > 0 and all(processed == stride * n for n, processed in trained), (branch, trained)
         strides.add(stride)
     assert len(strides) == 1, f"steps accepted different amounts of data: {strides}"
+
+
+def assert_audit_clean(save: Path) -> None:
+    """`slime-run runs audit` of `save` finds the final lineage clean: every prompt group issued up to the last commit
+    trained exactly once (or dropped with a recorded reason, or pending), no sample twice, each step's batch the one
+    its plan recorded; AssertionError with the violations otherwise."""
+    from slime.data.lineage_audit import audit_run
+
+    report = audit_run(save)
+    assert report.clean, "\n".join(f"[{v.check}] {v.message} ({', '.join(v.records)})" for v in report.violations)
