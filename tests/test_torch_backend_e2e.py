@@ -11,8 +11,9 @@ are not deterministic (sampling depends on how requests batch in the engines), a
 near 0.45 for 30-50 steps first. One bf16 run in CI stalled for good at 0.78 with every group answering alike:
 the backend then skipped every optimizer step, entropy bonus included, so nothing could make it explore again;
 since the entropy bonus acts in such steps too (`LossSettings.needs_advantages`), four runs (bf16 twice, float32
-twice) reached the target with their windows starting at steps 49, 30, 34 and 30. So each run gets `NUM_ROLLOUT` steps and ends as soon as it reaches the target
-(`slime.testing.run_records.run_until_reward_target`); its last joint commit is then checked.
+twice) reached the target with their windows starting at steps 49, 30, 34 and 30. So each run gets `NUM_ROLLOUT`
+steps and ends as soon as it reaches the target (`slime.testing.run_records.run_until_reward_target`); its last
+joint commit is then checked.
 """
 
 from __future__ import annotations
