@@ -7,8 +7,13 @@ same name of the same kind is an error that names both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+#: A component's `--deterministic` check: called with the run's arguments when they are parsed; raises ValueError
+#: naming the option when the component cannot honour `--deterministic` with them (see `slime.determinism`).
+DeterministicCheck = Callable[[Any], None]
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,14 @@ class DataSourceSpec(ProvidedSpec):
 
 @dataclass(frozen=True)
 class RolloutFunctionSpec(ProvidedSpec):
-    """A rollout function `target(args, rollout_id, data_source, evaluation=False)`."""
+    """A rollout function `target(args, rollout_id, data_source, evaluation=False)`.
+
+    `deterministic`: None when it cannot take part in a `--deterministic` run (such a run is refused); else its
+    check. Under `--deterministic` it must send each sample's `slime.determinism.sample_seed` as `sampling_seed`
+    and hand groups to the transport in the order the data source issued them.
+    """
+
+    deterministic: DeterministicCheck | None = None
 
 
 @dataclass(frozen=True)
@@ -64,12 +76,26 @@ class CheckpointPolicySpec(ProvidedSpec):
 
 @dataclass(frozen=True)
 class RolloutEngineSpec(ProvidedSpec):
-    """A rollout engine family: `target(args, num_engines)` launches engine servers for a run."""
+    """A rollout engine family: `target(args, num_engines)` launches engine servers for a run.
+
+    `deterministic`: None when its engines cannot take part in a `--deterministic` run (such a run is refused); else
+    its check. Under `--deterministic` its engines must sample with each request's `sampling_seed` and answer a
+    request with the same tokens and log-probabilities whatever else they serve at the same time.
+    """
+
+    deterministic: DeterministicCheck | None = None
 
 
 @dataclass(frozen=True)
 class TrainBackendSpec(ProvidedSpec):
-    """A training backend: `target` is the Ray actor class of one training rank."""
+    """A training backend: `target` is the Ray actor class of one training rank.
+
+    `deterministic`: None when it cannot take part in a `--deterministic` run (such a run is refused); else its
+    check. Under `--deterministic` it must use deterministic kernels, a fixed micro-batch and reduction order, and
+    save and restore every RNG state with its checkpoints, so that the same batches give bitwise the same weights.
+    """
+
+    deterministic: DeterministicCheck | None = None
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from slime.data.checkpoint import save_checkpoint
 from slime.data.data_source import prompt_record_keys, read_prompt_records
 from slime.data.run_lock import hold_save_directory
+from slime.determinism import check_reproducible_resume
 from slime.errors import RunInterrupted, UsageError
 from slime.interfaces import run_transport
 from slime.observability.logging_utils import configure_logger, finish_tracking, init_tracking
@@ -181,6 +182,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: Any) -> int:
     """Select what to restore, start the run on Ray, train, and tear the run down."""
+    try:
+        # Before the save directory is resolved to a branch: the record lives at its root.
+        check_reproducible_resume(args.save, args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
     args, restore_plan = run_transport(args).resolve_restore()
     # Settle storage paths once here, so checkpoints record them and every actor sees the same ones.
     run_transport(args).prepare_storage()

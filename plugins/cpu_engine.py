@@ -292,7 +292,7 @@ def launch_cpu_engines(args: Any, num_engines: int) -> LaunchedEngines:
             model_path,
             None,
             seed=settings.seed + index,
-            max_batch_size=settings.max_batch_size,
+            max_batch_size=settings.batch_size,
             batch_wait_s=settings.batch_wait_ms / 1000.0,
             num_threads=settings.num_threads,
             name=names[index],
@@ -317,6 +317,11 @@ def launch_cpu_engines(args: Any, num_engines: int) -> LaunchedEngines:
     return LaunchedEngines([urls[index] for index in range(num_engines)], actors, str(log_dir) if temporary else None)
 
 
+def _check_deterministic(args: Any) -> None:
+    """CPU engines honour `--deterministic`: per-request `sampling_seed`, one request per batch."""
+    CPUEngineSettings.from_args(args).check_deterministic()
+
+
 @hookimpl
 def slime_rollout_engines() -> Iterable[RolloutEngineSpec]:
     return [
@@ -324,6 +329,7 @@ def slime_rollout_engines() -> Iterable[RolloutEngineSpec]:
             "cpu",
             launch_cpu_engines,
             "Hugging Face causal LM on CPU behind the SGLang HTTP protocol (default: the built-in tiny model)",
+            deterministic=_check_deterministic,
         )
     ]
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from slime import hookimpl
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+from slime.rollout.settings import RolloutSettings
 from slime.specs import BatchFilterSpec, DataSourceSpec, RewardFunctionSpec, RolloutFunctionSpec
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
@@ -80,13 +81,29 @@ def math_reward(args: Any, sample: Any) -> float:
     return float(answer is not None and math.isclose(answer, expected, rel_tol=1e-6, abs_tol=1e-9))
 
 
+def _check_deterministic_sglang_rollout(args: Any) -> None:
+    """The "sglang" rollout function seeds every request itself; a custom generate function sends its own requests,
+    and nothing tells whether it passes each sample's `sampling_seed` on."""
+    path = RolloutSettings.from_args(args).custom_generate_function_path
+    if path:
+        raise ValueError(
+            f"--deterministic: --custom-generate-function-path {path} sends its own requests, and the sglang rollout "
+            "function cannot tell whether it passes each sample's sampling_seed on; drop one of the two"
+        )
+
+
 @hookimpl
 def slime_rollout_functions() -> Iterable[RolloutFunctionSpec]:
     from slime.rollout.fully_async_rollout import generate_rollout_fully_async
     from slime.rollout.sglang_rollout import generate_rollout
 
     return [
-        RolloutFunctionSpec("sglang", generate_rollout, "async HTTP client of SGLang-protocol engines (default)"),
+        RolloutFunctionSpec(
+            "sglang",
+            generate_rollout,
+            "async HTTP client of SGLang-protocol engines (default)",
+            deterministic=_check_deterministic_sglang_rollout,
+        ),
         RolloutFunctionSpec(
             "fully-async", generate_rollout_fully_async, "background generation that overlaps training steps"
         ),

@@ -83,6 +83,10 @@ class TorchTrainRayActor:
         from transformers import AutoModelForCausalLM
 
         self.role = role
+        if settings.deterministic:
+            # Before CUDA's first use: deterministic cuBLAS needs a fixed workspace (ignored on CPU).
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
         self.device = self._select_device()
         self._init_process_group(settings)
         torch.manual_seed(settings.seed + self.rank)
@@ -479,6 +483,7 @@ def slime_train_backends() -> Iterable[TrainBackendSpec]:
             TorchTrainRayActor,
             "PyTorch policy trainer (HF causal LM, AdamW, GRPO/PPO clipped loss, DDP or FSDP2 over gloo/NCCL, "
             "--bf16 autocast); CPU or one GPU per rank; plain class, wrapped with ray.remote by RayTrainGroup",
+            deterministic=TrainSettings.from_args,
         )
     ]
 

@@ -39,6 +39,8 @@ class TrainSettings(Settings):
     gradient_checkpointing: bool = option("gradient_checkpointing", False)
     #: Shard the model with FSDP2 instead of replicating it with DDP (also at world size 1: nothing to shard).
     fsdp: bool = option("fsdp", False)
+    #: `--deterministic`: deterministic torch kernels (CUDA: with the cuBLAS workspace setting they need).
+    deterministic: bool = option("deterministic", False)
     #: Set by the framework: the first rollout step of a run that loads no checkpoint (None: 0).
     start_rollout_id: int | None = option("start_rollout_id", convert=int, minimum=0)
     loss: LossSettings = field(default_factory=LossSettings)

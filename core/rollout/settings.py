@@ -42,6 +42,9 @@ class RolloutSettings(Settings):
     custom_generate_function_path: str | None = option("custom_generate_function_path")
     sample_filter_path: str | None = option("rollout_sample_filter_path")
     all_samples_process_path: str | None = option("rollout_all_samples_process_path")
+    #: `--deterministic`: seed each sample from `seed` and what identifies it, keep groups in issue order.
+    deterministic: bool = option("deterministic", False)
+    seed: int = option("rollout_seed", 42, convert=int)
     #: Set by the framework: the engines' base URLs (the rollout manager) and the router's (serving).
     engine_urls: tuple[str, ...] = option("rollout_engine_urls", (), convert=tuple)
     router_url: str | None = option("rollout_router_url")

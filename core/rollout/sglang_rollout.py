@@ -8,6 +8,11 @@ filtered (`--dynamic-sampling-filter-path`) and handed to the run's transport se
 continues* (`slime.interfaces.current_session`: the straw transport publishes each kept group durably right
 away).
 
+Under `--deterministic` (`slime.determinism`) each sample is generated with its own `sampling_seed`, derived from
+the run seed, its prompt group, its index and the rollout step, and finished groups are taken in the order they
+were submitted (the data source's order) rather than the order they finished, so the kept groups and their order
+never depend on timing; groups handed back at the end of a step lose their partial answers.
+
 A request that fails (connection refused or reset, timeout, HTTP 5xx, a malformed reply) is retried
 `--rollout-request-retries` times, each time on another engine when there is one; an engine that cannot be
 reached is skipped for the rest of the step. A sample is filled in only from a complete, valid reply, so a
@@ -23,6 +28,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
+from slime.determinism import sample_seed
 from slime.interfaces import current_session, run_transport
 from slime.rollout import rm_hub
 from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput, finalize_rollout_groups, iter_samples
@@ -98,6 +104,10 @@ class GenerateState:
     def reset(self) -> None:
         """Between steps; engines found unreachable get a new chance (the monitor decides which are dead)."""
         self.pendings: set[asyncio.Task] = set()
+        #: The group tasks not yet taken, in submission order (taken in this order under --deterministic).
+        self.submitted: list[asyncio.Task] = []
+        #: The rollout step being generated (part of each sample's seed under --deterministic).
+        self.rollout_id = 0
         self.remaining_batch_size = 0
         self.aborted = False
         self.unreachable: dict[str, str] = {}
@@ -132,10 +142,17 @@ class GenerateState:
 
     def submit_generate_tasks(self, groups: list) -> None:
         for group in groups:
-            self.pendings.add(
-                asyncio.ensure_future(generate_and_rm_group(self.args, group, dict(self.sampling_params)))
-            )
+            task = asyncio.ensure_future(generate_and_rm_group(self.args, group, dict(self.sampling_params)))
+            self.pendings.add(task)
+            self.submitted.append(task)
         self.remaining_batch_size += len(groups)
+
+    def seeded(self, sample: Sample, sampling_params: dict) -> dict:
+        """`sampling_params` with the sample's own `sampling_seed` under --deterministic (unchanged otherwise)."""
+        if not self.settings.deterministic:
+            return sampling_params
+        seed = sample_seed(self.settings.seed, sample.group_index or 0, sample.index or 0, self.rollout_id)
+        return {**sampling_params, "sampling_seed": seed}
 
 
 def _prompt_ids(state: GenerateState, sample: Sample) -> list[int] | None:
@@ -256,10 +273,25 @@ async def _post_generate(state: GenerateState, body: dict) -> _Reply:
     )
 
 
+async def _next_finished(state: Any, settings: RolloutSettings) -> list[asyncio.Task]:
+    """Group tasks that finished and were not taken yet: the oldest submission once it finishes under
+    --deterministic (queue order), else whatever finished first."""
+    if settings.deterministic:
+        oldest = state.submitted.pop(0)
+        await asyncio.wait({oldest})
+        state.pendings.discard(oldest)
+        return [oldest]
+    done, state.pendings = await asyncio.wait(state.pendings, return_when=asyncio.FIRST_COMPLETED)
+    if hasattr(state, "submitted"):
+        state.submitted = [task for task in state.submitted if task not in done]
+    return list(done)
+
+
 async def generate_and_rm(args: Any, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample:
     """Generate one sample (custom `--custom-generate-function-path` when set) and score it."""
     state = GenerateState(args)
     path = sample.generate_function_path or state.settings.custom_generate_function_path
+    sampling_params = state.seeded(sample, sampling_params)
     async with state.semaphore:
         if state.aborted:
             sample.status = Sample.Status.ABORTED
@@ -306,10 +338,14 @@ async def abort(args: Any, rollout_id: int) -> list:
             logger.warning("A generation task failed while aborting: %s", group)
             continue
         for sample in iter_samples(group):
+            if state.settings.deterministic:
+                # How far a request got before the abort is timing: under --deterministic none of it is kept.
+                sample.discard_generation()
             sample.status = Sample.Status.PENDING
         aborted.append(group)
-    state.pendings = set()
-    return aborted
+    state.pendings, state.submitted = set(), []
+    # Handed back in issue order, so the data source serves them again in an order that does not depend on timing.
+    return sorted(aborted, key=_first_index)
 
 
 def _first_index(group: Any) -> int:
@@ -321,6 +357,7 @@ async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -
     """Generate until `rollout_batch_size` groups are kept; returns the output and the aborted groups."""
     settings = RolloutSettings.from_args(args)
     state = GenerateState(args)
+    state.rollout_id = rollout_id
     session = current_session(args)
     data: list = []
     all_data: list = []
@@ -374,7 +411,7 @@ async def _collect(
             else:
                 groups = data_source(over_sampling)
             state.submit_generate_tasks(groups)
-        done, state.pendings = await asyncio.wait(state.pendings, return_when=asyncio.FIRST_COMPLETED)
+        done = await _next_finished(state, settings)
         errors = [task.exception() for task in done if task.exception() is not None]  # retrieves every error
         if errors:
             raise errors[0]
@@ -433,7 +470,9 @@ def _filter_metrics(dropped: dict[str, int], total: int) -> dict | None:
 async def eval_rollout(args: Any, rollout_id: int, data_source: Any) -> RolloutFnEvalOutput:
     """Evaluate `data_source.eval_datasets` (`{name: list[Sample]}`) once each; rewards per dataset."""
     datasets = getattr(data_source, "eval_datasets", None) or {}
-    params = GenerateState(args).settings.sampling_params(evaluation=True)
+    state = GenerateState(args)
+    state.rollout_id = rollout_id
+    params = state.settings.sampling_params(evaluation=True)
     results = {}
     for name, samples in datasets.items():
         scored = await asyncio.gather(*(generate_and_rm(args, s, dict(params), True) for s in samples))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,13 +54,26 @@ def directory_bytes(directory: Path) -> int:
     return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file()) if directory.exists() else 0
 
 
-def _commit_count(save: Path) -> int:
+def joint_commit_count(save: Path) -> int:
+    """The joint commits of a straw run's lineage (what a rerun resumes from)."""
     return len(run_records.commits(save)) if (save / "rollout").exists() else 0
 
 
-def _wait_for_commit_beyond(run: SlimeRunProcess, save: Path, count: int, timeout_s: float) -> None:
+def tracked_checkpoint_count(save: Path) -> int:
+    """The checkpoints of a run without joint commits (object-store): the `iter_*` directories up to the step that
+    `latest_checkpointed_iteration.txt` names (written after the checkpoint it names)."""
+    tracker = save / "latest_checkpointed_iteration.txt"
+    if not tracker.exists() or not tracker.read_text().strip():
+        return 0
+    latest = int(tracker.read_text())
+    return sum(1 for path in save.glob("iter_*") if int(path.name.removeprefix("iter_")) <= latest)
+
+
+def _wait_for_commit_beyond(
+    run: SlimeRunProcess, save: Path, count: int, timeout_s: float, commit_count: Callable[[Path], int]
+) -> None:
     deadline = time.monotonic() + timeout_s
-    while _commit_count(save) <= count:
+    while commit_count(save) <= count:
         if run.poll() is not None:
             raise AssertionError(f"the run ended before its next commit:\n{run.log_tail()}")
         if time.monotonic() > deadline:
@@ -82,14 +95,21 @@ def _wait_for_trained_step(run: SlimeRunProcess, save: Path, timeout_s: float) -
         time.sleep(0.02)
 
 
-def run_with_kills(args: Sequence[str], save: Path, log: Path, plan: KillPlan) -> list[Kill]:
+def run_with_kills(
+    args: Sequence[str],
+    save: Path,
+    log: Path,
+    plan: KillPlan,
+    commit_count: Callable[[Path], int] = joint_commit_count,
+) -> list[Kill]:
     """Run `slime-run ARGS` (saving under `save`, its pool at `save/rollout_data`) `plan.kills` times, each killed
     at a moment drawn by `plan`; raises AssertionError when a run ended before its kill or a process of it
-    survived the kill."""
+    survived the kill. `commit_count(save)` counts what a rerun can resume from (`tracked_checkpoint_count` for a
+    transport without joint commits)."""
     rng = random.Random(plan.seed)
     record = []
     for index in range(plan.kills):
-        before = _commit_count(save)
+        before = commit_count(save)
         run = SlimeRunProcess(args, log, cwd=save.parent)
         if index == 0:
             phase = "trained-uncommitted"
@@ -99,15 +119,15 @@ def run_with_kills(args: Sequence[str], save: Path, log: Path, plan: KillPlan) -
             phase, delay = "startup", rng.uniform(*plan.startup_window_s)
         else:
             phase, delay = "after-commit", rng.uniform(*plan.after_commit_window_s)
-            _wait_for_commit_beyond(run, save, before, plan.commit_timeout_s)
+            _wait_for_commit_beyond(run, save, before, plan.commit_timeout_s, commit_count)
         time.sleep(delay)
         if run.poll() is not None:
             raise AssertionError(f"the run ended before its kill:\n{run.log_tail()}")
         run.kill()
         if survivors := run.processes():
             raise AssertionError(f"processes of the killed run survived: {survivors}")
-        if phase == "trained-uncommitted" and _commit_count(save):
+        if phase == "trained-uncommitted" and commit_count(save):
             raise AssertionError("the first kill came after the first commit; shorten first_step_window_s")
         elapsed = time.time() - run.started
-        record.append(Kill(phase, elapsed, _commit_count(save), directory_bytes(save / "rollout_data")))
+        record.append(Kill(phase, elapsed, commit_count(save), directory_bytes(save / "rollout_data")))
     return record

@@ -17,6 +17,7 @@ from typing import Any
 
 import pluggy
 
+from slime.determinism import check_deterministic_run
 from slime.plugin_manager import (
     PluginError,
     PluginSelection,
@@ -85,7 +86,17 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--tool-key", default=None)
     rollout.add_argument("--apply-chat-template", action="store_true")
     rollout.add_argument("--rollout-shuffle", action="store_true")
-    rollout.add_argument("--rollout-seed", type=int, default=42)
+    rollout.add_argument("--rollout-seed", type=int, default=42, help="seeds prompt shuffling and sampling")
+    rollout.add_argument(
+        "--deterministic",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="reproducible run (on for the built-in demo): each sample is seeded from --rollout-seed, its prompt "
+        "group, its index and the rollout step; groups train in the order they were issued; engines and trainers "
+        "use batch-invariant, deterministic arithmetic. Killed and resumed any number of times, the run ends with "
+        "bitwise the weights of an uninterrupted one. Refused with components that cannot honour it; slower "
+        "generation (see docs/reproducibility.md)",
+    )
     rollout.add_argument("--num-rollout", type=int, default=None)
     rollout.add_argument("--num-epoch", type=int, default=None)
     rollout.add_argument("--rollout-batch-size", type=int, default=8, help="prompts per rollout step")
@@ -397,6 +408,10 @@ def parse_args(argv: Sequence[str] | None = None, *, return_restore_plan: bool =
     except ValueError as exc:  # the hook's contract: a user's bad input, naming the flag to fix
         parser.error(str(exc))
     _check_named_options(parser, args, registry)
+    try:
+        check_deterministic_run(args, registry)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.rollout_router == "sglang-router" and not sglang_router_available():
         parser.error(
             '--rollout-router sglang-router needs the sglang-router package: pip install "slime-rl[router]" '

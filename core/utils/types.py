@@ -96,6 +96,16 @@ class Sample:
                 setattr(sample, key, value)
         return sample
 
+    def discard_generation(self) -> None:
+        """Forget what was generated (response, its tokens, log-probs, weight versions, reward): the sample is its
+        prompt again, pending. For a group handed back whose partial answer must not shape the next attempt."""
+        if self.response_length:
+            self.tokens = self.tokens[: len(self.tokens) - self.response_length]
+        self.response, self.response_length = "", 0
+        self.loss_mask = self.rollout_log_probs = self.reward = None
+        self.weight_versions = []
+        self.status = Sample.Status.PENDING
+
     def get_reward_value(self, args: Any) -> float:
         """The scalar reward; `--reward-key` selects one entry of a dict reward."""
         key = getattr(args, "reward_key", None)
