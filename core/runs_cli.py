@@ -1,10 +1,11 @@
-"""`slime-run runs DIR` and `slime-run runs audit DIR`: read-only inspection of a save directory.
+"""`slime-run runs DIR`, `runs audit DIR` and `runs compare A B`: read-only inspection of save directories.
 
 `runs DIR` lists the branches reruns created, the joint commits of each (complete or torn), the current branch,
 the lineage the current model descends from, what a rerun of the same command would do, and the straw pool's
 size. `runs audit DIR` proves from the durable records that the lineage trained every prompt group it issued
-exactly once (or dropped it with a recorded reason) and no sample twice. Both read only the save directory and
-its pool; neither starts Ray nor writes anything.
+exactly once (or dropped it with a recorded reason) and no sample twice. `runs compare A B` compares two runs
+step by step (metrics, trained samples, final weights) and names the first step where they differ. All read
+only the save directories and their pools; none starts Ray or writes anything.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from slime.data.durable_files import DurableFileError
 
 DESCRIPTION = """\
-Inspect a slime-run save directory (the --save of a run) without changing it.
+Inspect slime-run save directories (the --save of a run) without changing them.
 
   slime-run runs DIR          branches, joint commits per branch (complete or torn), the current branch, the
                               lineage, what rerunning the same command would do, and the straw pool's size
@@ -29,9 +30,16 @@ Inspect a slime-run save directory (the --save of a run) without changing it.
                               journals, batch plans and converted batches) that every prompt group issued up to
                               the last commit was trained exactly once or dropped with a recorded reason, that
                               no sample was trained twice, and that every step trained the batch its plan recorded
+  slime-run runs compare A B  compare two runs (the --save of each) step by step and name the first step
+                              where they differ: the metrics both logged in metrics.jsonl (exactly, the last
+                              value per step; timing keys such as perf/*, time and rollout/time left out), the
+                              samples each committed step trained (ids and a sha256 of tokens, response and
+                              reward; straw transport only) and the weights of the last checkpoint, tensor by
+                              tensor. Ends with IDENTICAL or DIVERGE at step S and what differs there first
 
-Exit status: 0 clean; 1 problems found (runs: damaged records; audit: a violation, the first one is printed
-with the records that show it); 2 DIR is not a readable save directory.
+Exit status: 0 clean (compare: identical); 1 problems found (runs: damaged records; audit: a violation, the
+first one is printed with the records that show it; compare: the runs diverge); 2 DIR is not a readable save
+directory.
 """
 
 _RULE_WIDTH = 100
@@ -228,17 +236,137 @@ def _audit(directory: str, as_json: bool) -> int:
     return 0 if report.clean else 1
 
 
+# ------------------------------------------------------------------------------------------- runs compare A B
+
+
+def _number(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
+def _keys(keys: Sequence[str]) -> str:
+    """Metric keys for a line of text, each `perf/*` family collapsed into one entry."""
+    from slime.data.run_comparison import TIMING_PREFIXES
+
+    families = [prefix for prefix in TIMING_PREFIXES if any(key.startswith(prefix) for key in keys)]
+    rest = [key for key in keys if not key.startswith(TIMING_PREFIXES)]
+    return ", ".join([f"{prefix}*" for prefix in families] + rest) or "none"
+
+
+def _weights_line(weights: Any) -> str:
+    from slime.data.run_comparison import SHOWN_TENSORS
+
+    if weights.outcome == "equal":
+        line = f"step {weights.step} in both: {weights.tensors} tensors equal"
+    elif weights.outcome == "differ" and weights.differing:
+        shown = []
+        for tensor in weights.differing[:SHOWN_TENSORS]:
+            diff = tensor["max_abs_diff"]
+            shown.append(f"{tensor['tensor']} ({tensor['problem'] if diff is None else f'max abs diff {diff:.6g}'})")
+        more = ", ..." if len(weights.differing) > SHOWN_TENSORS else ""
+        line = f"step {weights.step} in both: {len(weights.differing)} of {weights.tensors} tensors differ: "
+        line += "; ".join(shown) + more
+    else:
+        return f"{'DIFFER' if weights.outcome == 'differ' else 'not compared'}: {weights.note}"
+    return f"{line} ({weights.note})" if weights.note else line
+
+
+def format_comparison(report: Any) -> str:
+    """The plain-text report of `slime-run runs compare A B`."""
+    from slime.data.run_comparison import LOSS_KEY, NOT_RECORDED, REWARD_KEY
+
+    lines = [f"A: {report.a}", f"B: {report.b}"]
+    lines.append(
+        f"metrics: {len(report.compared_metrics)} keys both runs logged, compared exactly (the last value per step); "
+        f"not compared (timing): {_keys(report.excluded_metrics)}"
+    )
+    for side, keys in (("A", report.only_in_a), ("B", report.only_in_b)):
+        if keys:
+            lines.append(f"  logged only by {side} (not compared): {_keys(keys)}")
+    recorded = [report.samples_a == "recorded", report.samples_b == "recorded"]
+    if all(recorded):
+        lines.append("sample ids: recorded by both (the straw records of each committed step)")
+    elif not any(recorded):
+        lines.append(f"sample ids: {NOT_RECORDED}")
+    else:
+        missing = "B" if recorded[0] else "A"
+        lines.append(f"sample ids: {NOT_RECORDED.replace('not recorded', f'not recorded in {missing}')}")
+    lines.append(f"weights: {_weights_line(report.weights)}")
+    rows = []
+    for step in report.steps:
+        samples = {"equal": f"equal ({step.sample_counts[0]})", "differ": "DIFFER"}.get(step.samples, "-")
+        differing = list(step.differing_metrics)
+        shown = ", ".join(differing[:2]) + (f" +{len(differing) - 2}" if len(differing) > 2 else "")
+        rows.append(
+            [
+                step.step,
+                _number(step.metrics_a.get(REWARD_KEY)),
+                _number(step.metrics_b.get(REWARD_KEY)),
+                _number(step.metrics_a.get(LOSS_KEY)),
+                _number(step.metrics_b.get(LOSS_KEY)),
+                samples,
+                shown or "-",
+            ]
+        )
+    headers = ["STEP", "REWARD A", "REWARD B", "LOSS A", "LOSS B", "SAMPLES", "METRICS THAT DIFFER"]
+    lines += ["", *(_table(headers, rows) if rows else ["  no steps in either run"])]
+    first = report.first_divergence
+    if first is not None and first[0] is not None and len(first[1]) > 1:
+        lines += ["", f"WHAT DIFFERS AT STEP {first[0]}"]
+        lines += [f"  {difference}" for difference in first[1][:12]]
+        if len(first[1]) > 12:
+            lines.append(f"  ... and {len(first[1]) - 12} more (--json lists every step)")
+    if report.notes:
+        lines += ["", "NOTES", *[f"  {note}" for note in report.notes]]
+    lines += ["", report.verdict()]
+    return "\n".join(lines)
+
+
+def _compare(directory_a: str, directory_b: str, as_json: bool) -> int:
+    from slime.data.run_comparison import compare_runs
+
+    report = compare_runs(Path(directory_a), Path(directory_b))
+    if as_json:
+        first = report.first_divergence
+        value = {
+            "a": report.a,
+            "b": report.b,
+            "identical": report.identical,
+            "verdict": report.verdict(),
+            "first_divergence": None if first is None else {"step": first[0], "differences": first[1]},
+            "compared_metrics": report.compared_metrics,
+            "excluded_metrics": report.excluded_metrics,
+            "metrics_only_in_a": report.only_in_a,
+            "metrics_only_in_b": report.only_in_b,
+            "samples": {"a": report.samples_a, "b": report.samples_b},
+            "steps": [asdict(step) for step in report.steps],
+            "weights": asdict(report.weights),
+            "notes": report.notes,
+        }
+        print(json.dumps(_jsonable(value), indent=2))
+    else:
+        print(format_comparison(report))
+    return 0 if report.identical else 1
+
+
 # ------------------------------------------------------------------------------------------- entry point
 
+USAGE = "slime-run runs [audit] DIR [--json]\n       slime-run runs compare DIR_A DIR_B [--json]"
 
-def _parser(audit: bool) -> argparse.ArgumentParser:
+
+def _parser(command: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="slime-run runs audit" if audit else "slime-run runs",
-        usage="slime-run runs [audit] DIR [--json]",
+        prog=f"slime-run runs {command}" if command else "slime-run runs",
+        usage=USAGE,
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("directory", metavar="DIR", help="the --save directory of a run")
+    if command == "compare":
+        parser.add_argument("directory_a", metavar="DIR_A", help="the --save directory of one run")
+        parser.add_argument("directory_b", metavar="DIR_B", help="the --save directory of the run to compare it with")
+    else:
+        parser.add_argument("directory", metavar="DIR", help="the --save directory of a run")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text (for tools)")
     return parser
 
@@ -246,10 +374,12 @@ def _parser(audit: bool) -> argparse.ArgumentParser:
 def run_runs_cli(argv: Sequence[str]) -> int:
     """`slime-run runs ...` with `argv` the words after `runs`; returns the exit status."""
     argv = list(argv)
-    audit = bool(argv) and argv[0] == "audit"
-    ns = _parser(audit).parse_args(argv[1:] if audit else argv)
+    command = argv[0] if argv and argv[0] in ("audit", "compare") else None
+    ns = _parser(command).parse_args(argv[1:] if command else argv)
     try:
-        return _audit(ns.directory, ns.json) if audit else _show(ns.directory, ns.json)
+        if command == "compare":
+            return _compare(ns.directory_a, ns.directory_b, ns.json)
+        return _audit(ns.directory, ns.json) if command == "audit" else _show(ns.directory, ns.json)
     except DurableFileError as exc:
         print(f"slime-run: error: {exc}", file=sys.stderr)
         return 2

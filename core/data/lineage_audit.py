@@ -183,8 +183,10 @@ def _samples(value: Any, pool: Path, what: str) -> list:
 
 
 class _Auditor:
-    def __init__(self, save: Path) -> None:
+    def __init__(self, save: Path, keep_samples: bool = False) -> None:
         self.report = AuditReport(save)
+        #: With `keep_samples`, the Samples of each trained step's collection, in order (`trained_sample_records`).
+        self.samples: dict[int, list] | None = {} if keep_samples else None
         self.trained_groups: dict[str, list[str]] = {}
         self.trained_samples: dict[int, str] = {}
         self.dropped_groups: dict[str, str] = {}
@@ -433,6 +435,8 @@ class _Auditor:
                     where,
                 )
             groups.append((task_id, int(accepted_receipt["position"]), [int(sample.index) for sample in samples]))
+            if self.samples is not None:
+                self.samples.setdefault(step, []).extend(samples)
         return groups
 
     # ------------------------------------------------------------------------------------- segments
@@ -618,14 +622,29 @@ class _Auditor:
 
 def audit_run(save: Path) -> AuditReport:
     """Audit the final lineage of the save directory `save` (see the module docstring)."""
+    return _audit(save).report
+
+
+def trained_sample_records(save: Path) -> tuple[dict[int, list], AuditReport]:
+    """`({step: the Samples it trained, in order}, the audit)` of the final lineage of `save`.
+
+    The Samples come from the records the audit follows (each step's collection, which a clean audit proves is
+    exactly what the step's plan selected and its converted batch trained); a step the audit could not follow
+    is missing, and the report's violations say why. For `slime-run runs compare`.
+    """
+    auditor = _audit(save, keep_samples=True)
+    return dict(sorted((auditor.samples or {}).items())), auditor.report
+
+
+def _audit(save: Path, keep_samples: bool = False) -> _Auditor:
     save = Path(save).resolve()
     require_save_dir(save)
-    auditor = _Auditor(save)
+    auditor = _Auditor(save, keep_samples)
     try:
         segments = lineage(save)
     except DurableFileError as exc:
         auditor.violate("lineage", f"the lineage cannot be read: {exc.problem}", exc.path)
-        return auditor.report
+        return auditor
     parent = None
     for segment in segments:
         name = "(root)" if segment.directory == save else segment.directory.name
@@ -640,4 +659,4 @@ def audit_run(save: Path) -> AuditReport:
         auditor.final = parent
     auditor.report.counts["branches in lineage"] = len(segments)
     auditor.groups()
-    return auditor.report
+    return auditor
