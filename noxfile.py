@@ -97,6 +97,7 @@ def e2e(session: nox.Session) -> None:
         "pytest",
         "-m",
         "e2e and not sglang and not megatron",
+        "--durations=15",
         *session.posargs,
         env={"HF_HUB_OFFLINE": "1"},
     )
@@ -125,6 +126,7 @@ def sglang(session: nox.Session) -> None:
         "-m",
         "sglang",
         "--timeout=900",
+        "--durations=10",
         *session.posargs,
         env={"HF_HUB_OFFLINE": "1"},
     )
@@ -152,6 +154,7 @@ def megatron(session: nox.Session) -> None:
         "-m",
         "megatron",
         "--timeout=900",
+        "--durations=10",
         *session.posargs,
         env={"HF_HUB_OFFLINE": "1"},
     )

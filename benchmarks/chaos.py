@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from benchmarks.e2e import RUN_TIMEOUT_S, _machine, demo_args, write_report
+from benchmarks.e2e import RUN_TIMEOUT_S, demo_args, machine_description, write_report
 from slime.testing.chaos import KillPlan, directory_bytes, run_with_kills
 from slime.utils.external_utils.slime_run_process import SlimeRunProcess
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="slime-chaos-bench-", dir=options.dir))
     report: dict[str, Any] = {
-        "machine": _machine(),
+        "machine": machine_description(),
         "config": {key: getattr(options, key) for key in ("kills", "steps", "save_interval", "seed")},
     }
     plain_save = workdir / "uninterrupted"

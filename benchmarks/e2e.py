@@ -211,7 +211,8 @@ def write_report(report: dict[str, Any], out: str) -> Path:
     return path
 
 
-def _machine() -> dict[str, Any]:
+def machine_description() -> dict[str, Any]:
+    """The machine and library versions a report was measured with."""
     from importlib.metadata import version
 
     import ray
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     try:
         report: dict[str, Any] = {
-            "machine": _machine(),
+            "machine": machine_description(),
             "config": {key: getattr(options, key) for key in ("steps", "warmup", "reps", "save_interval")},
             "transports": {},
         }

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.e2e import PHASES, _machine, run_demo, step_breakdown, write_report
+from benchmarks.e2e import PHASES, machine_description, run_demo, step_breakdown, write_report
 
 ENGINES = ("cpu", "sglang")
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps ({options.steps}) must exceed --warmup ({options.warmup})")
     workdir = Path(tempfile.mkdtemp(prefix="slime-engine-bench-", dir=options.dir))
     began = time.monotonic()
-    report: dict[str, Any] = {"machine": _machine(), "config": vars(options), "engines": {}}
+    report: dict[str, Any] = {"machine": machine_description(), "config": vars(options), "engines": {}}
     for engine in ENGINES:
         extra = ("--rollout-engine", engine, "--rollout-num-engines", str(options.engines), "--rollout-router", "none")
         run = run_demo("straw", options.steps, options.steps, workdir, engine, extra)

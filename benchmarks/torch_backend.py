@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.e2e import _machine, run_demo, step_breakdown, write_report
+from benchmarks.e2e import machine_description, run_demo, step_breakdown, write_report
 
 #: label -> (training ranks, slime-run options)
 CONFIGS: dict[str, tuple[int, tuple[str, ...]]] = {
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(options: argparse.Namespace, workdir: Path) -> int:
     began = time.monotonic()
     report: dict[str, Any] = {
-        "machine": _machine(),
+        "machine": machine_description(),
         "config": {
             key: getattr(options, key)
             for key in ("steps", "warmup", "reps", "configs", "precision_steps", "precision_warmup")

@@ -94,3 +94,21 @@ def test_e2e_benchmark_rejects_steps_that_leave_nothing_to_measure(tmp_path: Pat
     completed = _run("benchmarks.e2e", "--steps", "2", "--warmup", "2", "--out", str(tmp_path / "x.json"), timeout=60)
     assert completed.returncode == 2 and "--steps (2) must exceed --warmup (2)" in completed.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_determinism_benchmark_table_gives_each_phase_in_both_modes_and_their_ratio() -> None:
+    from benchmarks.determinism import ROWS, build_table
+
+    on = {name: 0.2 for name in ROWS} | {"generate": 0.75, "step": 1.3}
+    off = {name: 0.2 for name in ROWS} | {"generate": 0.5, "step": 1.0, "save": 0.0}
+    table = build_table({"modes": {"deterministic": {"breakdown": on}, "non-deterministic": {"breakdown": off}}})
+    assert "| generate | 750 ms | 500 ms | 1.50x |" in table
+    assert "| step (mean) | 1300 ms | 1000 ms | 1.30x |" in table
+    assert "| save | 200 ms | 0 ms |  |" in table  # no ratio against a phase that took no time
+
+
+def test_determinism_benchmark_rejects_steps_that_leave_nothing_to_measure(tmp_path: Path) -> None:
+    out = tmp_path / "x.json"
+    completed = _run("benchmarks.determinism", "--steps", "1", "--warmup", "1", "--out", str(out), timeout=60)
+    assert completed.returncode == 2 and "--steps (1) must exceed --warmup (1)" in completed.stderr
+    assert not out.exists()
