@@ -14,14 +14,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from slime.utils.settings import Settings, option
+from slime.utils.settings import Settings, option, options_from_args
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+#: How `--use-tis` treats an importance weight outside [--tis-clip-low, --tis-clip]: clamp it to the bound
+#: (truncated importance sampling) or give the token weight 0 (masked importance sampling).
+TIS_MODES = ("truncate", "mask")
+#: How token losses become a batch's loss (`--loss-agg-mode`; see `LossSettings.loss_agg_mode` and `rl_loss`).
+LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 #: What `rl_loss` reports per sample, in this order (each the sample's masked mean over its response tokens).
-METRIC_NAMES = ("loss", "pg_loss", "kl", "clipfrac", "ppo_ratio", "entropy")
+METRIC_NAMES = ("loss", "pg_loss", "kl", "clipfrac", "ppo_ratio", "entropy", "tis_weight", "tis_clipfrac")
+#: Reported only with `--use-tis` (without it every weight is 1 and nothing is clipped).
+TIS_METRIC_NAMES = ("tis_weight", "tis_clipfrac")
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,59 @@ class LossSettings(Settings):
     kl_coef: float = option("kl_coef", 0.0, convert=float, minimum=0.0)
     kl_loss_type: str = option("kl_loss_type", "k3", choices=KL_ESTIMATORS)
     entropy_coef: float = option("entropy_coef", 0.0, convert=float)
+    #: Truncated importance sampling: weight each token's policy loss by `exp(old - rollout)`, the old policy's
+    #: probability of the token over the engine's, bounded to [tis_clip_low, tis_clip] (see `importance_weights`).
+    use_tis: bool = option("use_tis", False)
+    tis_clip: float = option("tis_clip", 2.0, convert=float, above=0.0)
+    tis_clip_low: float = option("tis_clip_low", 0.0, convert=float, minimum=0.0)
+    tis_mode: str = option("tis_mode", "truncate", choices=TIS_MODES)
+    #: seq-mean-token-mean: each sample's token mean, averaged over samples (every sample weighs the same);
+    #: token-mean: every token of the global batch weighs the same (long answers weigh more);
+    #: seq-mean-token-sum: each sample's token sum, averaged over samples;
+    #: seq-mean-token-sum-norm: the token sum over a constant (`--rollout-max-response-len`), averaged over
+    #: samples (Dr. GRPO: no length bias from dividing by each answer's own length).
+    loss_agg_mode: str = option("loss_agg_mode", "seq-mean-token-mean", choices=LOSS_AGG_MODES)
+    #: The constant of `seq-mean-token-sum-norm`.
+    rollout_max_response_len: int = option("rollout_max_response_len", 16, convert=int, minimum=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tis_clip_low >= self.tis_clip:
+            raise ValueError(f"--tis-clip-low ({self.tis_clip_low}) must be below --tis-clip ({self.tis_clip})")
+
+    @classmethod
+    def from_args(cls, args: Any) -> LossSettings:
+        """The settings of `args`; `--calculate-per-token-loss` (upstream's spelling) selects token-mean."""
+        values = options_from_args(cls, args)
+        if getattr(args, "calculate_per_token_loss", False):
+            if values.get("loss_agg_mode", "seq-mean-token-mean") not in ("seq-mean-token-mean", "token-mean"):
+                raise ValueError(
+                    f"--calculate-per-token-loss means --loss-agg-mode token-mean; it contradicts "
+                    f"--loss-agg-mode {values['loss_agg_mode']}"
+                )
+            values["loss_agg_mode"] = "token-mean"
+        return cls(**values)
+
+    @property
+    def per_token_denominator(self) -> bool:
+        """Whether a global batch's loss divides by its token count (token-mean) rather than its sample count."""
+        return self.loss_agg_mode == "token-mean"
+
+    def reduce_tokens(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Each sample's share of the batch loss from its `[batch, len]` token losses: the masked mean, or sum, or
+        sum over the constant, per `loss_agg_mode`; the backend then divides the batch's total by its sample
+        count, or by its token count when `per_token_denominator`."""
+        if self.loss_agg_mode == "seq-mean-token-mean":
+            return masked_mean(per_token, mask)
+        total = (per_token * mask.to(per_token.dtype)).sum(-1)
+        if self.loss_agg_mode == "seq-mean-token-sum-norm":
+            return total / float(self.rollout_max_response_len)
+        return total
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The `METRIC_NAMES` a backend reports for this loss (the TIS ones only with `--use-tis`)."""
+        return tuple(name for name in METRIC_NAMES if self.use_tis or name not in TIS_METRIC_NAMES)
 
     @property
     def needs_advantages(self) -> bool:
@@ -100,6 +161,28 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
     raise ValueError(f"unknown KL estimator {estimator!r}; use one of {', '.join(KL_ESTIMATORS)} (--kl-loss-type)")
 
 
+def importance_weights(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, settings: LossSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token weights correcting for the engine sampling from a slightly different policy than the trainer's.
+
+    The engine (its kernels, precision, or weights a version behind) drew each token with probability `mu`; the
+    loss assumes the old policy `pi_old`. The ratio `w = pi_old / mu = exp(old - rollout)` reweights the policy
+    loss so its expectation is under `pi_old`; an unbounded `w` has unbounded variance, so `truncate` clamps it
+    to `[tis_clip_low, tis_clip]` and `mask` sets tokens outside that range to 0 (drops them). Returns
+    `(weights, out_of_range)`, both `[batch, len]` and free of gradient; `out_of_range` is 1.0 where the bound
+    acted, so its masked mean is the clipped fraction.
+    """
+    with torch.no_grad():
+        ratio = torch.exp((old_log_probs - rollout_log_probs).clamp(-20.0, 20.0))
+        out_of_range = (ratio > settings.tis_clip) | (ratio < settings.tis_clip_low)
+        if settings.tis_mode == "truncate":
+            weights = ratio.clamp(settings.tis_clip_low, settings.tis_clip)
+        else:
+            weights = torch.where(out_of_range, torch.zeros_like(ratio), ratio)
+    return weights, out_of_range.to(ratio.dtype)
+
+
 def rl_loss(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -108,21 +191,32 @@ def rl_loss(
     settings: LossSettings,
     entropy: torch.Tensor | None = None,
     ref_log_probs: torch.Tensor | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-sample loss of a micro batch and its metrics.
 
     Token-level inputs are `[batch, len]`: the policy's `log_probs` (differentiable), the old policy's,
     per-token `advantages`, the loss `mask`, the policy's `entropy` (needed when `settings.entropy_coef` is
-    not 0) and the reference's log-probs (needed when `settings.kl_coef` is not 0). Returns
-    `(sample_loss, metrics)`: `sample_loss[b]` is sample b's masked mean of `pg + kl_coef * kl -
-    entropy_coef * entropy` (differentiable); `metrics[k, b]` is its masked mean of `METRIC_NAMES[k]`
-    (detached).
+    not 0), the reference's log-probs (needed when `settings.kl_coef` is not 0) and the engine's log-probs of
+    the sampled tokens (needed with `settings.use_tis`). Returns `(sample_loss, metrics)`: `sample_loss[b]` is
+    sample b's `settings.reduce_tokens` (by default the masked mean) of `w * pg + kl_coef * kl - entropy_coef *
+    entropy` (differentiable; `w` the `importance_weights`, 1 without `--use-tis`); `metrics[k, b]` is its
+    masked mean of `METRIC_NAMES[k]` (detached).
     """
     if settings.kl_coef and ref_log_probs is None:
         raise ValueError("--kl-coef > 0 needs the reference model's log-probs; the backend passed none")
     if settings.entropy_coef and entropy is None:
         raise ValueError("--entropy-coef needs the policy's entropy; the backend passed none")
+    if settings.use_tis and rollout_log_probs is None:
+        raise ValueError(
+            "--use-tis needs the engines' log-probs of the sampled tokens (rollout_log_probs); this batch has "
+            "none: use an engine and rollout function that return them, or drop --use-tis"
+        )
     pg_tok, clipped = policy_loss(log_probs, old_log_probs, advantages, settings.eps_clip, settings.eps_clip_high)
+    tis_weight, tis_clipped = torch.ones_like(pg_tok), torch.zeros_like(pg_tok)
+    if settings.use_tis:
+        tis_weight, tis_clipped = importance_weights(old_log_probs, rollout_log_probs, settings)
+        pg_tok = tis_weight * pg_tok
     per_token = pg_tok
     kl_tok = torch.zeros_like(pg_tok)
     if ref_log_probs is not None:
@@ -132,11 +226,11 @@ def rl_loss(
         # An entropy bonus keeps sampling diverse: a policy that answers a prompt the same way eight times
         # gives GRPO a zero-variance group and nothing to learn from.
         per_token = per_token - settings.entropy_coef * entropy
-    sample_loss = masked_mean(per_token, mask)
+    sample_loss = settings.reduce_tokens(per_token, mask)
     with torch.no_grad():
         ratio = torch.exp(log_probs - old_log_probs)
         shown_entropy = entropy if entropy is not None else torch.zeros_like(pg_tok)
-        terms = (per_token, pg_tok, kl_tok, clipped, ratio, shown_entropy)
+        terms = (per_token, pg_tok, kl_tok, clipped, ratio, shown_entropy, tis_weight, tis_clipped)
         metrics = torch.stack([masked_mean(values.detach().float(), mask) for values in terms])
     return sample_loss, metrics
 

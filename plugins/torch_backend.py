@@ -206,8 +206,9 @@ class TorchTrainRayActor:
         micro_batches = [mb for step in schedule for mb in step[1]]
         old_log_probs = self._old_log_probs(data, batch, micro_batches)
         ref_log_probs = self._frozen_log_probs(self.ref_model, batch, micro_batches) if self.ref_model else None
-
         loss = self.settings.loss
+        rollout_log_probs = batch.rollout_log_probs(data) if loss.use_tis and "rollout_log_probs" in data else None
+
         clip_grad = self.settings.optimizer.clip_grad
         sums = torch.zeros(len(METRIC_NAMES) + 1, dtype=torch.float64)
         grad_norms = []
@@ -219,6 +220,7 @@ class TorchTrainRayActor:
                 skipped += 1
                 continue
             self.optimizer.zero_grad(set_to_none=True)
+            denominator = self._loss_denominator(batch, step_micro_batches, global_size)
             for position, indices in enumerate(step_micro_batches):
                 # Gradients reduce over the ranks once per optimizer step, in the last micro batch's backward.
                 with self.parallel.gradient_sync(self.trained, position == len(step_micro_batches) - 1):
@@ -228,9 +230,11 @@ class TorchTrainRayActor:
                         self.parallel.dummy_loss(self.trained).backward()
                         continue
                     log_probs, mask, entropy = self._log_probs(self.trained, batch, indices)
-                    ref = None
+                    ref = rollout = None
                     if ref_log_probs is not None:
                         ref = pad_right([ref_log_probs[i] for i in indices]).to(self.device)
+                    if rollout_log_probs is not None:
+                        rollout = pad_right([rollout_log_probs[i] for i in indices]).to(self.device)
                     sample_loss, sample_metrics = rl_loss(
                         log_probs,
                         old_log_probs=pad_right([old_log_probs[i] for i in indices]).to(self.device),
@@ -239,9 +243,11 @@ class TorchTrainRayActor:
                         settings=loss,
                         entropy=entropy,
                         ref_log_probs=ref,
+                        rollout_log_probs=rollout,
                     )
-                    # Per-sample mean over tokens, summed over the global batch; DDP and FSDP average over ranks.
-                    (sample_loss.sum() * (self.world_size / global_size)).backward()
+                    # Summed over the global batch and divided by its samples or tokens; DDP and FSDP average over
+                    # ranks, which the world size undoes.
+                    (sample_loss.sum() * (self.world_size / denominator)).backward()
                     sums[:-1] += sample_metrics.sum(dim=1).double().cpu()
                     sums[-1] += len(indices)
             params = [p for p in self.model.parameters() if p.grad is not None]
@@ -251,7 +257,9 @@ class TorchTrainRayActor:
             self.global_step += 1
         sums = self._all_reduce(sums)
         count = max(float(sums[-1]), 1.0)
-        metrics = {f"train/{name}": float(sums[k]) / count for k, name in enumerate(METRIC_NAMES)}
+        metrics = {
+            f"train/{name}": float(sums[k]) / count for k, name in enumerate(METRIC_NAMES) if name in loss.metric_names
+        }
         metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         metrics["train/lr"] = float(self.scheduler.get_last_lr()[0])
         metrics["train/steps"] = float(len(schedule) - skipped)
@@ -275,6 +283,14 @@ class TorchTrainRayActor:
             total[1] += engine.numel()
         total = self._all_reduce(total)
         return float(total[0] / total[1]) if total[1] > 0 else None
+
+    def _loss_denominator(self, batch: TrainBatch, micro_batches: list[list[int]], global_size: int) -> float:
+        """What an optimizer step's summed sample losses divide by: the global batch's sample count, or with
+        `--loss-agg-mode token-mean` its count of tokens in the loss mask, over every rank (collective then)."""
+        if not self.settings.loss.per_token_denominator:
+            return float(global_size)
+        local = sum(int(batch.loss_masks[i].sum()) for indices in micro_batches for i in indices)
+        return max(float(self._all_reduce(torch.tensor([float(local)], dtype=torch.float64)).item()), 1.0)
 
     def _has_signal(self, batch: TrainBatch, advantages: list[torch.Tensor], micro_batches: list[list[int]]) -> bool:
         """Collective: whether any rank's samples in this optimizer step have a non-zero advantage on a token

@@ -7,8 +7,10 @@ torch and the Megatron backends both read them, through `slime.plugins.torch_opt
 
 from __future__ import annotations
 
+from typing import Any
+
 from slime import hookimpl
-from slime.plugins.rl_losses import KL_ESTIMATORS
+from slime.plugins.rl_losses import KL_ESTIMATORS, LOSS_AGG_MODES, TIS_MODES, LossSettings
 from slime.plugins.torch_optim import add_optimizer_options
 
 
@@ -26,9 +28,47 @@ def slime_addoption(parser) -> None:
         action="store_true",
         help="take the engines' log-probs as the old policy instead of recomputing them in the trainer",
     )
+    group.add_argument(
+        "--use-tis",
+        action="store_true",
+        help="truncated importance sampling: weight each token's policy loss by exp(old - rollout log-prob), the "
+        "trainer's probability of the token over the engine's, bounded by --tis-clip-low/--tis-clip",
+    )
+    group.add_argument("--tis-clip", type=float, default=2.0, help="upper bound of the --use-tis weight (> 0)")
+    group.add_argument("--tis-clip-low", type=float, default=0.0, help="lower bound of the --use-tis weight")
+    group.add_argument(
+        "--tis-mode",
+        choices=TIS_MODES,
+        default="truncate",
+        help="a weight outside the bounds: truncate (clamp it to the bound) or mask (the token counts 0)",
+    )
+    group.add_argument(
+        "--loss-agg-mode",
+        choices=LOSS_AGG_MODES,
+        default="seq-mean-token-mean",
+        help="how token losses make the batch loss: each sample's token mean averaged over samples; token-mean: "
+        "every token of the global batch weighs the same; seq-mean-token-sum: each sample's token sum averaged "
+        "over samples; seq-mean-token-sum-norm: that sum over --rollout-max-response-len (Dr. GRPO)",
+    )
+    group.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="the same as --loss-agg-mode token-mean (upstream slime's spelling)",
+    )
     precision = parser.add_argument_group("precision (every train backend)")
     precision.add_argument(
         "--bf16",
         action="store_true",
         help="train in bfloat16 with float32 master weights in the optimizer (default: float32 throughout)",
     )
+
+
+@hookimpl
+def slime_configure(args: Any) -> None:
+    """Refuse, while the arguments are parsed, a loss no backend can run."""
+    loss = LossSettings.from_args(args)  # ValueError naming the flag for a value out of range
+    if loss.use_tis and getattr(args, "use_rollout_logprobs", False):
+        raise ValueError(
+            "--use-tis with --use-rollout-logprobs: the old policy's log-probs would be the engine's own, so every "
+            "importance weight is 1; drop one of them"
+        )

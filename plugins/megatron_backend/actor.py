@@ -197,6 +197,9 @@ class MegatronTrainRayActor:
         else:
             old_log_probs = self._forward_log_probs(self.model, batch, micro_batches)
         ref_log_probs = self._forward_log_probs(self.ref_model, batch, micro_batches) if self.ref_model else None
+        rollout_log_probs = (
+            batch.rollout_log_probs(data) if settings.loss.use_tis and "rollout_log_probs" in data else None
+        )
 
         # Loss metrics (METRIC_NAMES, then the sample count), summed on the ranks that compute the loss.
         self._sums = torch.zeros(len(METRIC_NAMES) + 1, dtype=torch.float64)
@@ -208,11 +211,17 @@ class MegatronTrainRayActor:
                 skipped += 1
                 continue
             grad_norms.append(
-                self._optimizer_step(batch, step_micro_batches, global_size, old_log_probs, advantages, ref_log_probs)
+                self._optimizer_step(
+                    batch, step_micro_batches, global_size, old_log_probs, advantages, ref_log_probs, rollout_log_probs
+                )
             )
         sums = self._sum_over_loss_ranks(self._sums)
         count = max(float(sums[-1]), 1.0)
-        metrics = {f"train/{name}": float(sums[k]) / count for k, name in enumerate(METRIC_NAMES)}
+        metrics = {
+            f"train/{name}": float(sums[k]) / count
+            for k, name in enumerate(METRIC_NAMES)
+            if name in settings.loss.metric_names
+        }
         metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         metrics["train/lr"] = self._lr()
         metrics["train/steps"] = float(len(schedule) - skipped)
@@ -249,6 +258,7 @@ class MegatronTrainRayActor:
         old_log_probs: list[torch.Tensor] | None,
         advantages: list[torch.Tensor],
         ref_log_probs: list[torch.Tensor] | None,
+        rollout_log_probs: list[torch.Tensor] | None,
     ) -> float:
         """One optimizer step over `micro_batches` (this rank's share of a global batch of `global_size`)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -259,10 +269,16 @@ class MegatronTrainRayActor:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        # Per-sample mean over tokens, summed over the global batch: Megatron divides each micro batch's loss by
-        # the number of micro batches and averages gradients over data-parallel ranks; this undoes both.
-        scale = self.dp_size * len(micro_batches) / global_size
-        loss_of = partial(self._rl_loss, old_log_probs, advantages, ref_log_probs, scale)
+        # Summed over the global batch and divided by its samples (or tokens: `--loss-agg-mode token-mean`):
+        # Megatron divides each micro batch's loss by the number of micro batches and averages gradients over
+        # data-parallel ranks; this undoes both.
+        denominator = float(global_size)
+        if self.settings.train.loss.per_token_denominator:
+            local = sum(int(batch.loss_masks[i].sum()) for indices in micro_batches for i in indices)
+            tokens = self._sum_over_loss_ranks(torch.tensor([float(local)], dtype=torch.float64))
+            denominator = max(float(tokens.item()), 1.0)
+        scale = self.dp_size * len(micro_batches) / denominator
+        loss_of = partial(self._rl_loss, old_log_probs, advantages, ref_log_probs, rollout_log_probs, scale)
         get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, batch, loss_of),
             data_iterator=iter(micro_batches),
@@ -324,6 +340,7 @@ class MegatronTrainRayActor:
         old_log_probs: list[torch.Tensor] | None,
         advantages: list[torch.Tensor],
         ref_log_probs: list[torch.Tensor] | None,
+        rollout_log_probs: list[torch.Tensor] | None,
         scale: float,
         batch: TrainBatch,
         indices: list[int],
@@ -340,6 +357,9 @@ class MegatronTrainRayActor:
         log_probs = self._response_values(all_log_probs, batch, indices, offsets)
         entropy = self._response_values(all_entropy, batch, indices, offsets)
         ref = pad_right([ref_log_probs[i] for i in indices]).to(device) if ref_log_probs is not None else None
+        rollout = None
+        if rollout_log_probs is not None:
+            rollout = pad_right([rollout_log_probs[i] for i in indices]).to(device)
         sample_loss, sample_metrics = rl_loss(
             log_probs,
             old_log_probs=pad_right([old_log_probs[i] for i in indices]).to(device),
@@ -348,6 +368,7 @@ class MegatronTrainRayActor:
             settings=self.settings.train.loss,
             entropy=entropy,
             ref_log_probs=ref,
+            rollout_log_probs=rollout,
         )
         self._sums[:-1] += sample_metrics.sum(dim=1).double().cpu()
         self._sums[-1] += len(indices)

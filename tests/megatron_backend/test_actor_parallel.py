@@ -8,6 +8,7 @@ one exactly and at another one with the same model and optimizer.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,18 @@ def test_the_distributed_optimizer_resumes_at_its_layout_and_refuses_another(mod
         run_ranks(2, tp2, steps[2:], tmp_path / "refused")
     fresh_optimizer = run_ranks(2, {**tp2, "no_load_optim": True}, steps[2:], tmp_path / "fresh-optimizer")
     assert fresh_optimizer["first"] == 2
+
+
+def test_tis_and_the_token_mean_loss_on_tensor_parallel_ranks(model_dir, steps, tmp_path):
+    """`--use-tis` on TP=2: engine log-probs far below the trainer's give weights far above `--tis-clip`, so every
+    token's weight is the bound and every token counts as clipped; the step divides by the global batch's tokens
+    (`--loss-agg-mode token-mean`, a count summed once per data-parallel replica)."""
+    engine_far_off = [{**s, "rollout_log_probs": [[-50.0] * n for n in s["response_lengths"]]} for s in steps[:1]]
+    options = _options(model_dir, tensor_model_parallel_size=2, use_tis=True, tis_clip=1.5, loss_agg_mode="token-mean")
+    metrics = run_ranks(2, options, engine_far_off, tmp_path)["metrics"][0]
+    assert metrics["train/steps"] >= 1 and math.isfinite(metrics["train/grad_norm"])
+    assert metrics["train/tis_weight"] == pytest.approx(1.5)
+    assert metrics["train/tis_clipfrac"] == pytest.approx(1.0)
 
 
 def test_tp2_ranks_send_their_weights_to_a_running_engine(model_dir, steps, tmp_path):
