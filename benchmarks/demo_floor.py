@@ -44,6 +44,8 @@ class FloorConfig:
     entropy_coef: float = 0.0
     seed: int = 0
     prompt_count: int = 256
+    #: A built-in estimator of `slime.plugins.advantage_estimators` (its function of the same name).
+    advantage_estimator: str = "grpo"
 
     @classmethod
     def from_demo(cls, **overrides: Any) -> FloorConfig:
@@ -160,7 +162,7 @@ def run_floor(config: FloorConfig, model_dir: Path | None = None) -> list[FloorS
     """Run `config.steps` GRPO steps of the copy task in this process; one `FloorStep` per step."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slime.data.batch_builder import normalize_group_rewards
+    from slime.plugins import advantage_estimators
     from slime.plugins.demo_task import DEMO_ROW_OPTIONS, copy_reward, demo_prompt_rows
     from slime.plugins.tiny_model import ensure_tiny_model
     from slime.plugins.torch_optim import OptimizerSettings, build_optimizer
@@ -203,7 +205,10 @@ def run_floor(config: FloorConfig, model_dir: Path | None = None) -> list[FloorS
                 for i, (label, response) in enumerate(zip(labels, responses, strict=True))
             ]
         )
-        advantages = torch.tensor(normalize_group_rewards(rewards.tolist(), n, std_normalization=True))
+        estimate = getattr(advantage_estimators, config.advantage_estimator)
+        lengths = [len(tokenizer(response)["input_ids"]) or 1 for response in responses]
+        estimator_args = SimpleNamespace(grpo_std_normalization=True)
+        advantages = torch.tensor(estimate(estimator_args, rewards.tolist(), n, lengths))
         model.train()
         norm = _train_step(model, optimizer, scheduler, sequences, advantages, config)
         record = FloorStep(step, float(rewards.mean()), generated - began, time.perf_counter() - generated, norm)
@@ -226,6 +231,11 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("lr", "temperature", "adam_beta2", "min_lr", "eps_clip_high", "entropy_coef"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float)
     parser.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES)
+    parser.add_argument(
+        "--advantage-estimator",
+        choices=["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"],
+        help="a built-in estimator (default grpo)",
+    )
     parser.add_argument("--json", help="write the per-step records here")
     options = vars(parser.parse_args(argv))
     output = options.pop("json")

@@ -27,6 +27,7 @@ from typing import Any
 import pluggy
 
 from slime.specs import (
+    AdvantageEstimatorSpec,
     BatchFilterSpec,
     CheckpointPolicySpec,
     DataSourceSpec,
@@ -127,6 +128,14 @@ def slime_reward_functions() -> Iterable[RewardFunctionSpec]:
     """Reward functions, selected by `--rm-type NAME` or `--custom-rm-path NAME`.
 
     All results collected. Example: `[RewardFunctionSpec("exact-match", exact_match)]`.
+    """
+
+
+@hookspec
+def slime_advantage_estimators() -> Iterable[AdvantageEstimatorSpec]:
+    """Advantage estimators, selected by `--advantage-estimator NAME`.
+
+    All results collected. Example: `[AdvantageEstimatorSpec("grpo", grpo_advantages)]`.
     """
 
 

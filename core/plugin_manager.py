@@ -160,6 +160,7 @@ KIND_NAMES = {
     "rollout_functions": "rollout function",
     "batch_filters": "batch filter",
     "reward_functions": "reward function",
+    "advantage_estimators": "advantage estimator",
     "checkpoint_policies": "checkpoint policy",
     "transports": "transport",
     "rollout_engines": "rollout engine",

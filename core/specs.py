@@ -103,6 +103,33 @@ class RewardFunctionSpec(ProvidedSpec):
     """A reward function `target(args, sample) -> float` (async functions are awaited)."""
 
 
+@dataclass(frozen=True)
+class AdvantageEstimatorSpec(ProvidedSpec):
+    """An advantage estimator: `target(args, rewards, group_size, response_lengths) -> advantages`, one per sample
+    (every response token of a sample trains with its sample's), from one step's rewards in batch order, grouped
+    by prompt in consecutive runs of `group_size`.
+
+    `ratio_level`: the importance ratio the policy loss uses by default with this estimator ("token": one per
+    token, as in PPO; "sequence": one per sample, the geometric mean of its tokens', as in GSPO);
+    `--importance-ratio-level` overrides it. `needs_critic`: it reads a value model's estimates, so a run must
+    train a critic (`--use-critic`); a run with `--use-critic` and an estimator that does not is refused too.
+    """
+
+    ratio_level: str = "token"
+    needs_critic: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ratio_level not in RATIO_LEVELS:
+            raise ValueError(
+                f"AdvantageEstimatorSpec {self.name!r}: ratio_level must be one of {', '.join(RATIO_LEVELS)}, "
+                f"got {self.ratio_level!r}"
+            )
+
+
+#: The importance-ratio levels a policy loss can use (`AdvantageEstimatorSpec.ratio_level`).
+RATIO_LEVELS = ("token", "sequence")
+
 SPEC_KINDS: dict[str, type[ProvidedSpec]] = {
     "slime_transports": TransportSpec,
     "slime_data_sources": DataSourceSpec,
@@ -112,4 +139,5 @@ SPEC_KINDS: dict[str, type[ProvidedSpec]] = {
     "slime_rollout_engines": RolloutEngineSpec,
     "slime_train_backends": TrainBackendSpec,
     "slime_reward_functions": RewardFunctionSpec,
+    "slime_advantage_estimators": AdvantageEstimatorSpec,
 }

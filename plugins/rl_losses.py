@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from slime.specs import RATIO_LEVELS
 from slime.utils.settings import Settings, option, options_from_args
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
@@ -56,6 +57,9 @@ class LossSettings(Settings):
     loss_agg_mode: str = option("loss_agg_mode", "seq-mean-token-mean", choices=LOSS_AGG_MODES)
     #: The constant of `seq-mean-token-sum-norm`.
     rollout_max_response_len: int = option("rollout_max_response_len", 16, convert=int, minimum=1)
+    #: "token": PPO's ratio per token; "sequence": one ratio per sample, `exp(mean over its tokens of (lp -
+    #: old))`, shared by its tokens (GSPO). Set from the advantage estimator unless `--importance-ratio-level`.
+    importance_ratio_level: str = option("importance_ratio_level", "token", choices=RATIO_LEVELS)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -212,7 +216,15 @@ def rl_loss(
             "--use-tis needs the engines' log-probs of the sampled tokens (rollout_log_probs); this batch has "
             "none: use an engine and rollout function that return them, or drop --use-tis"
         )
-    pg_tok, clipped = policy_loss(log_probs, old_log_probs, advantages, settings.eps_clip, settings.eps_clip_high)
+    policy_log_probs = log_probs
+    if settings.importance_ratio_level == "sequence":
+        # GSPO: every token of a sample takes the sample's length-normalised log-ratio, so the ratio (and its clip)
+        # is one per sequence; the gradient still flows to every token through the mean.
+        sequence_log_ratio = masked_mean(log_probs - old_log_probs, mask)
+        policy_log_probs = old_log_probs + sequence_log_ratio.unsqueeze(-1)
+    pg_tok, clipped = policy_loss(
+        policy_log_probs, old_log_probs, advantages, settings.eps_clip, settings.eps_clip_high
+    )
     tis_weight, tis_clipped = torch.ones_like(pg_tok), torch.zeros_like(pg_tok)
     if settings.use_tis:
         tis_weight, tis_clipped = importance_weights(old_log_probs, rollout_log_probs, settings)
@@ -228,7 +240,7 @@ def rl_loss(
         per_token = per_token - settings.entropy_coef * entropy
     sample_loss = settings.reduce_tokens(per_token, mask)
     with torch.no_grad():
-        ratio = torch.exp(log_probs - old_log_probs)
+        ratio = torch.exp(policy_log_probs - old_log_probs)
         shown_entropy = entropy if entropy is not None else torch.zeros_like(pg_tok)
         terms = (per_token, pg_tok, kl_tok, clipped, ratio, shown_entropy, tis_weight, tis_clipped)
         metrics = torch.stack([masked_mean(values.detach().float(), mask) for values in terms])

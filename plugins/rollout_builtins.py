@@ -1,10 +1,13 @@
 """Built-in rollout plugin: the SGLang-protocol rollout functions, the prompt data source, the
-zero-variance dynamic filter and two verifiable rewards (exact match, final numeric answer)."""
+zero-variance dynamic filter and the built-in rewards (exact match, final numeric answer, token F1, a remote
+reward server); docs/rewards.md describes each reward's rule."""
 
 from __future__ import annotations
 
 import math
 import re
+import unicodedata
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -81,6 +84,35 @@ def math_reward(args: Any, sample: Any) -> float:
     return float(answer is not None and math.isclose(answer, expected, rel_tol=1e-6, abs_tol=1e-9))
 
 
+def _f1_tokens(text: str) -> list[str]:
+    """Lower-cased whitespace tokens of `text` with every punctuation character (Unicode category P*) removed."""
+    kept = "".join(" " if unicodedata.category(char).startswith("P") else char for char in text.lower())
+    return kept.split()
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """Token-level F1 of `prediction` against `reference` (tokens as `_f1_tokens`, counted with multiplicity);
+    1.0 when both hold no token, 0.0 when only one does."""
+    predicted, expected = _f1_tokens(prediction), _f1_tokens(reference)
+    if not predicted or not expected:
+        return float(predicted == expected)
+    common = sum((Counter(predicted) & Counter(expected)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(predicted), common / len(expected)
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1_reward(args: Any, sample: Any) -> float:
+    """Token F1 between the response's answer (the content of its last `\\boxed{}`, else the whole response) and
+    the label."""
+    if sample.label is None:
+        raise ValueError(f"f1 reward needs a label (--label-key); sample {sample.index} has none")
+    response = sample.response or ""
+    boxed = _boxed(response)
+    return token_f1(boxed if boxed is not None else response, str(sample.label))
+
+
 def _check_deterministic_sglang_rollout(args: Any) -> None:
     """The "sglang" rollout function seeds every request itself; a custom generate function sends its own requests,
     and nothing tells whether it passes each sample's `sampling_seed` on."""
@@ -124,7 +156,11 @@ def slime_batch_filters() -> Iterable[BatchFilterSpec]:
 
 @hookimpl
 def slime_reward_functions() -> Iterable[RewardFunctionSpec]:
+    from slime.rollout.remote_reward import remote_reward
+
     return [
         RewardFunctionSpec("exact-match", exact_match, "response equals the label"),
         RewardFunctionSpec("math", math_reward, "last number or \\boxed{} answer equals the label numerically"),
+        RewardFunctionSpec("f1", f1_reward, "token F1 of the (\\boxed{}) answer against the label"),
+        RewardFunctionSpec("remote", remote_reward, "scored by the reward server at --rm-url"),
     ]

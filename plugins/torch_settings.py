@@ -19,7 +19,6 @@ from slime.utils.settings import Settings, option, options_from_args
 class TrainSettings(Settings):
     """One torch training rank's settings (see the flags of the same names in `slime-run --help`)."""
 
-    advantage_estimator: str = option("advantage_estimator", "grpo")
     seed: int = option("seed", 1234, convert=int)
     #: The model to train and the reference for `--kl-coef` (None: the built-in tiny model).
     hf_checkpoint: str | None = option("hf_checkpoint")
@@ -45,13 +44,6 @@ class TrainSettings(Settings):
     start_rollout_id: int | None = option("start_rollout_id", convert=int, minimum=0)
     loss: LossSettings = field(default_factory=LossSettings)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.advantage_estimator != "grpo":
-            raise ValueError(
-                f"the torch backend supports --advantage-estimator grpo only, got {self.advantage_estimator!r}"
-            )
 
     @classmethod
     def from_args(cls, args: Any) -> TrainSettings:

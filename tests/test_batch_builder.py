@@ -167,18 +167,3 @@ def test_dp_schedule_rejects_impossible_layouts():
         build_dp_schedule(SimpleNamespace(use_dynamic_batch_size=True), {"dp_size": 1}, [1], global_batch_size=1)
     with pytest.raises(ValueError, match="1 samples for 2 data-parallel ranks"):
         build_dp_schedule(SimpleNamespace(), {"dp_size": 2}, [1], global_batch_size=1)
-
-
-def test_group_rewards_are_centred_and_scaled_and_constant_groups_carry_nothing() -> None:
-    # Eight equal rewards of 2/3: float32 arithmetic would leave 6e-8 after centring and the std division
-    # would blow it up to an advantage of 0.06 on every sample; a constant group must give exactly 0.
-    constant = module.normalize_group_rewards([2 / 3] * 8, 8, std_normalization=True)
-    assert constant == [0.0] * 8
-    mixed = module.normalize_group_rewards([0.0, 1.0, 0.0, 1.0], 4, std_normalization=True)
-    assert mixed == pytest.approx([-0.866025, 0.866025, -0.866025, 0.866025], abs=1e-5)  # sample std: 1/sqrt(3)
-    assert module.normalize_group_rewards([0.2, 0.6, 1.0, 1.0], 2, std_normalization=False) == pytest.approx(
-        [-0.2, 0.2, 0.0, 0.0]
-    )
-    assert module.normalize_group_rewards([0.3, 0.9], 1, std_normalization=True) == [0.0, 0.0]
-    with pytest.raises(ValueError, match="3 samples cannot be grouped by --n-samples-per-prompt 2"):
-        module.normalize_group_rewards([0.0, 1.0, 0.5], 2, std_normalization=True)

@@ -27,7 +27,7 @@ from slime.data.straw_settings import StrawSettings
 from slime.data.transport import pack_rollout_payload, rollout_store
 from slime.interfaces import run_transport
 from slime.utils.dp_schedule import build_dp_schedule
-from slime.utils.misc import Box, load_function
+from slime.utils.misc import Box, load_function, plugin_name
 from slime.utils.types import Sample
 
 #: Per-sample columns partitioned across data-parallel ranks.
@@ -73,8 +73,6 @@ PLAN_CONFIGURATION = (
     "use_score_centering",
     "use_rollout_routing_replay",
 )
-_GROUP_NORMALIZED = {"grpo", "gspo", "reinforce_plus_plus_baseline"}
-_STD_NORMALIZED = {"grpo", "gspo"}
 _OPTIONAL_SAMPLE_FIELDS = (
     "rollout_log_probs",
     "rollout_topk_token_ids",
@@ -112,27 +110,6 @@ def _plan_changes(stored: dict, identity: dict) -> str:
     if stored.get("parallel") != identity["parallel"]:
         changes.append(f"the parallel layout ({stored.get('parallel')!r} -> {identity['parallel']!r})")
     return ", ".join(changes) or "the plan format"
-
-
-def normalize_group_rewards(raw: list[float], group: int, *, std_normalization: bool) -> list[float]:
-    """Each reward minus its prompt group's mean (consecutive runs of `group` samples), divided by the group's
-    sample std (+1e-6) when `std_normalization`: the GRPO advantage every sample of a batch trains with.
-
-    A group whose rewards are all equal carries no signal and gets exactly 0. Computed in float64: in float32
-    the mean of eight equal rewards of 2/3 is off by 6e-8, which the std division (by 1e-6) would blow up
-    to an advantage of 0.06 on every sample, reinforcing whatever the group answered.
-    """
-    import torch
-
-    if len(raw) % group:
-        raise ValueError(f"{len(raw)} samples cannot be grouped by --n-samples-per-prompt {group}")
-    rewards = torch.tensor(raw, dtype=torch.float64).view(-1, group)
-    centered = rewards - rewards.mean(dim=-1, keepdim=True)
-    if std_normalization and group > 1:
-        centered = centered / (rewards.std(dim=-1, keepdim=True) + 1e-6)
-    constant = rewards.amax(dim=-1) == rewards.amin(dim=-1)
-    centered[constant] = 0.0
-    return centered.flatten().tolist()
 
 
 @dataclass(frozen=True)
@@ -181,6 +158,13 @@ class BatchBuilder:
         self.train_parallel_config: dict | None = None
         self._reward_hook = load_function(getattr(args, "custom_reward_post_process_path", None), args)
         self._convert_hook = load_function(getattr(args, "custom_convert_samples_to_train_data_path", None), args)
+        # The registered estimator turning rewards into advantages; None: train on the raw rewards
+        # (`--no-rewards-normalization`, or no `--advantage-estimator`).
+        estimator = getattr(args, "advantage_estimator", None)
+        normalize = getattr(args, "rewards_normalization", False) and estimator
+        self._estimator = (
+            load_function(plugin_name("advantage_estimators", estimator, args), args) if normalize else None
+        )
 
     # ------------------------------------------------------------------------------------------ planning
 
@@ -254,12 +238,16 @@ class BatchBuilder:
         if self._reward_hook is not None:
             return self._reward_hook(args, samples)
         raw = [sample.get_reward_value(args) for sample in samples]
-        estimator = getattr(args, "advantage_estimator", None)
-        if not (getattr(args, "rewards_normalization", False) and estimator in _GROUP_NORMALIZED):
+        if self._estimator is None:
             return raw, list(raw)
         group = getattr(args, "n_samples_per_prompt", None) or 1
-        scale = estimator in _STD_NORMALIZED and getattr(args, "grpo_std_normalization", False)
-        return raw, normalize_group_rewards(raw, group, std_normalization=scale)
+        advantages = self._estimator(args, raw, group, [sample.response_length for sample in samples])
+        if len(advantages) != len(raw):
+            raise ValueError(
+                f"--advantage-estimator {args.advantage_estimator}: returned {len(advantages)} advantages for "
+                f"{len(raw)} samples"
+            )
+        return raw, [float(value) for value in advantages]
 
     @staticmethod
     def _check_top_p(sample: Sample) -> None:

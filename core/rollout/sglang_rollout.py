@@ -372,7 +372,7 @@ async def generate_rollout_async(args: Any, rollout_id: int, data_source: Any) -
         raise
     aborted = await abort(args, rollout_id)
     state.reset()
-    metrics = _filter_metrics(dropped, len(all_data))
+    metrics = {**(_filter_metrics(dropped, len(all_data)) or {}), **rm_hub.reward_metrics(args, all_data)}
     if settings.all_samples_process_path:
         hook = _run_all_samples_hook(args, settings, rollout_id, data_source, data, all_data, metrics, session)
         return await hook, aborted
@@ -422,7 +422,7 @@ async def _collect(
             all_data.append(group)
             if len(data) >= target:
                 continue
-            verdict = dynamic_filter_verdict(args, group, load_function)
+            verdict = rm_hub.group_verdict(args, group) or dynamic_filter_verdict(args, group, load_function)
             if not verdict.keep:
                 state.remaining_batch_size -= 1
                 reason = verdict.reason or "filtered"

@@ -27,6 +27,9 @@ from slime.plugin_manager import (
     named_plugin_defaults,
 )
 from slime.ray.router import ROUTER_CHOICES, sglang_router_available
+from slime.rollout.remote_reward import check_remote_reward_options
+from slime.rollout.rm_hub import REWARD_ERROR_POLICIES, RewardSettings, parse_weights, split_names
+from slime.specs import RATIO_LEVELS
 from slime.weight_sync import DEFAULT_BUCKET_BYTES, TRANSPORTS
 
 logger = logging.getLogger(__name__)
@@ -162,7 +165,62 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--data-source-path", default=None, help="registered name or dotted path (default: the transport's data source)"
     )
     rollout.add_argument("--custom-generate-function-path", default=None)
-    rollout.add_argument("--rm-type", default=None, help="registered reward function name")
+    rollout.add_argument(
+        "--rm-type",
+        default=None,
+        help="registered reward function name, or several comma-separated (a,b) to train on their weighted sum "
+        "(see docs/rewards.md)",
+    )
+    rollout.add_argument(
+        "--rm-weights",
+        default=None,
+        metavar="W1,W2",
+        help="weights of the comma-separated --rm-type rewards, one per reward (default: equal weights summing to 1)",
+    )
+    rollout.add_argument(
+        "--reward-timeout",
+        type=float,
+        default=30.0,
+        help="seconds one sample's reward call may take; a call that overruns or raises is a reward error",
+    )
+    rollout.add_argument(
+        "--reward-error",
+        choices=REWARD_ERROR_POLICIES,
+        default="zero",
+        help="what a reward error does to its sample: zero (reward 0.0, marked metadata['reward_error']) or "
+        "drop-group (the sample's whole group is dropped, like a filtered group; rollout function sglang only); "
+        "counted in rollout/reward_errors either way",
+    )
+    rollout.add_argument(
+        "--rm-url",
+        default=None,
+        help='reward server of --rm-type remote: samples are POSTed as JSON, it answers {"rewards": [...]}',
+    )
+    rollout.add_argument(
+        "--rm-timeout",
+        type=float,
+        default=None,
+        help="seconds one HTTP request to --rm-url may take (default: --reward-timeout, which bounds the whole call "
+        "with its retries)",
+    )
+    rollout.add_argument(
+        "--rm-max-retries",
+        type=int,
+        default=3,
+        help="retries of a failed --rm-url request (connection error, timeout, HTTP 429 or 5xx), with exponential "
+        "backoff",
+    )
+    rollout.add_argument(
+        "--rm-batch-size",
+        type=int,
+        default=16,
+        help="samples per request to --rm-url: the rewards asked for within 20 ms of each other go in one request",
+    )
+    rollout.add_argument(
+        "--rm-api-key",
+        default=None,
+        help="sent to --rm-url as 'Authorization: Bearer KEY' (default: the SLIME_RM_API_KEY environment variable)",
+    )
     rollout.add_argument("--custom-rm-path", default=None)
     rollout.add_argument("--reward-key", default=None)
     rollout.add_argument("--dynamic-sampling-filter-path", default=None)
@@ -173,7 +231,19 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
     train = parser.add_argument_group("training")
     train.add_argument("--train-backend", default="torch", help="training backend plugin name")
-    train.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "gspo", "reinforce_plus_plus", "ppo"])
+    train.add_argument(
+        "--advantage-estimator",
+        default="grpo",
+        help="registered advantage estimator (built in: grpo, gspo, dr_grpo, rloo, reinforce_plus_plus, "
+        "reinforce_plus_plus_baseline; `slime-run plugins` lists every one loaded); docs/losses.md",
+    )
+    train.add_argument(
+        "--importance-ratio-level",
+        choices=RATIO_LEVELS,
+        default=None,
+        help="the policy loss's importance ratio: one per token (PPO) or one per sequence, the geometric mean of its "
+        "tokens' (GSPO) (default: the advantage estimator's: sequence for gspo, token otherwise)",
+    )
     train.add_argument("--use-critic", action="store_true")
     train.add_argument("--num-critic-only-steps", type=int, default=0)
     train.add_argument("--rewards-normalization", action=argparse.BooleanOptionalAction, default=True)
@@ -311,10 +381,15 @@ NAMED_OPTIONS = {
     "rollout_sample_filter_path": "batch_filters",
     "custom_rm_path": "reward_functions",
     "rm_type": "reward_functions",
+    "advantage_estimator": "advantage_estimators",
     "checkpoint_policy": "checkpoint_policies",
     "rollout_engine": "rollout_engines",
     "train_backend": "train_backends",
 }
+
+
+#: Name-valued flags that take a comma-separated list of names.
+LIST_OPTIONS = frozenset({"rm_type"})
 
 
 def _check_named_options(parser: argparse.ArgumentParser, args: argparse.Namespace, registry: Registry) -> None:
@@ -324,9 +399,43 @@ def _check_named_options(parser: argparse.ArgumentParser, args: argparse.Namespa
         if not isinstance(value, str):
             continue
         try:
-            registry.resolve(kind, value)
+            for name in split_names(value) if dest in LIST_OPTIONS else [value]:
+                registry.resolve(kind, name)
         except (PluginError, ImportError, AttributeError, ValueError) as exc:
             parser.error(f"--{dest.replace('_', '-')}: {exc}")
+
+
+def _check_advantage_estimator(parser: argparse.ArgumentParser, args: argparse.Namespace, registry: Registry) -> None:
+    """Match `--use-critic` to what the estimator needs; default `--importance-ratio-level` to the estimator's."""
+    spec = registry.kinds["advantage_estimators"].get(args.advantage_estimator)
+    needs_critic = spec.needs_critic if spec is not None else False  # a dotted path: a plain function
+    if needs_critic and not args.use_critic:
+        parser.error(f"--advantage-estimator {args.advantage_estimator} needs a value model: add --use-critic")
+    if args.use_critic and not needs_critic:
+        parser.error(
+            f"--use-critic trains a value model that --advantage-estimator {args.advantage_estimator} does not use; "
+            "drop --use-critic (or choose an estimator that needs a critic)"
+        )
+    if args.importance_ratio_level is None:
+        args.importance_ratio_level = spec.ratio_level if spec is not None else "token"
+
+
+def _check_reward_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The reward flags' values and how they combine (docs/rewards.md), before Ray starts."""
+    try:
+        if args.rm_weights is not None:
+            parse_weights(args.rm_weights)  # its own message, not the settings' generic one
+        settings = RewardSettings.from_args(args)
+        if args.rm_weights is not None and args.custom_rm_path:
+            raise ValueError("--rm-weights weighs the --rm-type rewards; --custom-rm-path replaces them: drop one")
+        if settings.error_policy == "drop-group" and args.rollout_function_path != "sglang":
+            raise ValueError(
+                f"--reward-error drop-group is implemented by the sglang rollout function only, not by "
+                f"--rollout-function-path {args.rollout_function_path}; use --reward-error zero"
+            )
+        check_remote_reward_options(args, remote="remote" in settings.rm_types and not args.custom_rm_path)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def _option_owner(option: str, pm: pluggy.PluginManager) -> tuple[str, bool] | None:
@@ -408,6 +517,8 @@ def parse_args(argv: Sequence[str] | None = None, *, return_restore_plan: bool =
     except ValueError as exc:  # the hook's contract: a user's bad input, naming the flag to fix
         parser.error(str(exc))
     _check_named_options(parser, args, registry)
+    _check_advantage_estimator(parser, args, registry)
+    _check_reward_options(parser, args)
     try:
         check_deterministic_run(args, registry)
     except ValueError as exc:
