@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from slime.utils.settings import Settings, flag, option
+
+logger = logging.getLogger(__name__)
 
 #: The file under a save directory that records what a `--deterministic` run must keep to stay reproducible.
 RECORD_FILE = "reproducibility.json"
@@ -89,9 +92,23 @@ def _component_value(args: Any, dest: str, default: str) -> str:
 def check_deterministic_run(args: Any, registry: Any) -> None:
     """Refuse a `--deterministic` run with a component that cannot honour it; ValueError naming the component,
     the plugin that provides it and the way out. Each selected component's `deterministic` check runs too (it
-    raises ValueError naming an option of the run it cannot honour)."""
+    raises ValueError naming an option of the run it cannot honour).
+
+    Only a `--deterministic` the user gave is refused: one a plugin defaulted (the demo turns it on) is turned off
+    instead, with a warning giving the reason, so that the demo on a backend or engine that cannot honour it runs
+    as it did before the flag existed."""
     if not DeterminismSettings.from_args(args).deterministic:
         return
+    try:
+        _check_components(args, registry)
+    except ValueError as exc:
+        if "deterministic" in getattr(args, "explicit_options", ()):
+            raise
+        args.deterministic = False
+        logger.warning("--deterministic (a plugin's default) is off for this run: %s", exc)
+
+
+def _check_components(args: Any, registry: Any) -> None:
     for kind, (dest, default, label) in DETERMINISTIC_KINDS.items():
         name = _component_value(args, dest, default)
         spec = registry.kinds[kind].get(name)

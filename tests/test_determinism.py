@@ -149,11 +149,23 @@ def test_components_that_cannot_honour_deterministic_are_refused_at_parse_time(
     tmp_path: Path, capsys: pytest.CaptureFixture, extra: list[str], message: str
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        parse_args(["--plugin", "straw", "--save", str(tmp_path / "run"), *extra])
+        parse_args(["--plugin", "straw", "--save", str(tmp_path / "run"), "--deterministic", *extra])
     assert exited.value.code == 2
     error = capsys.readouterr().err
     assert "--deterministic" in error
     assert re.search(message, error), error
+
+
+def test_the_demos_deterministic_default_is_dropped_with_a_warning_where_it_cannot_hold(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="slime.determinism"):
+        args = parse_args(
+            ["--plugin", "straw", "--save", str(tmp_path / "run"), "--rollout-function-path", "fully-async"]
+        )
+    assert args.deterministic is False
+    assert "--deterministic (a plugin's default) is off for this run" in caplog.text
+    assert "the rollout function 'fully-async'" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -162,7 +174,7 @@ def test_components_that_cannot_honour_deterministic_are_refused_at_parse_time(
 )
 def test_engines_and_backends_without_a_deterministic_check_are_refused(option: str, value: str, label: str) -> None:
     registry = collect_registry(build_plugin_manager(PluginSelection()))
-    args = SimpleNamespace(deterministic=True, **{option: value})
+    args = SimpleNamespace(deterministic=True, explicit_options=frozenset({"deterministic"}), **{option: value})
     with pytest.raises(
         ValueError, match=rf"--deterministic: the {label} '{value}' \(plugin '[\w.]+'\) does not declare"
     ):
