@@ -33,7 +33,7 @@ def _install(session: nox.Session, extras: str = "cpu,test") -> None:
 
 def _install_suite(session: nox.Session) -> None:
     """The project with the sglang-router extra (its tests run) and the contrib transport (its tests run)."""
-    _install(session, "cpu,test,router")
+    _install(session, "cpu,test,router,math")
     session.install("--no-deps", "-e", CONTRIB_TRANSPORT)
 
 

@@ -1,11 +1,9 @@
 """Built-in rollout plugin: the SGLang-protocol rollout functions, the prompt data source, the
-zero-variance dynamic filter and the built-in rewards (exact match, final numeric answer, token F1, a remote
-reward server); docs/rewards.md describes each reward's rule."""
+zero-variance dynamic filter and the built-in rewards (exact match, token F1, a remote reward server; the math
+rewards are plugins/math_rewards.py); docs/rewards.md describes each reward's rule."""
 
 from __future__ import annotations
 
-import math
-import re
 import unicodedata
 from collections import Counter
 from collections.abc import Iterable
@@ -15,8 +13,6 @@ from slime import hookimpl
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput
 from slime.rollout.settings import RolloutSettings
 from slime.specs import BatchFilterSpec, DataSourceSpec, RewardFunctionSpec, RolloutFunctionSpec
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
 def nonzero_std(args: Any, group: list) -> DynamicFilterOutput:
@@ -51,37 +47,6 @@ def _boxed(text: str) -> str | None:
                 return text[begin:position]
             depth -= 1
     return None
-
-
-def _number(text: str) -> float | None:
-    matches = _NUMBER.findall(text)
-    if not matches:
-        return None
-    value = matches[-1].replace(",", "")
-    try:
-        if "/" in value:
-            numerator, denominator = value.split("/")
-            return float(numerator) / float(denominator)
-        return float(value)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def final_answer(text: str) -> float | None:
-    """The numeric final answer of `text`: the content of the last `\\boxed{}`, else its last number."""
-    boxed = _boxed(text)
-    return _number(boxed if boxed is not None else text)
-
-
-def math_reward(args: Any, sample: Any) -> float:
-    """1.0 when the response's final answer equals the label numerically (relative tolerance 1e-6)."""
-    if sample.label is None:
-        raise ValueError(f"math reward needs a label (--label-key); sample {sample.index} has none")
-    expected = final_answer(str(sample.label))
-    if expected is None:
-        raise ValueError(f"math reward: label {sample.label!r} of sample {sample.index} holds no number")
-    answer = final_answer(sample.response or "")
-    return float(answer is not None and math.isclose(answer, expected, rel_tol=1e-6, abs_tol=1e-9))
 
 
 def _f1_tokens(text: str) -> list[str]:
@@ -160,7 +125,6 @@ def slime_reward_functions() -> Iterable[RewardFunctionSpec]:
 
     return [
         RewardFunctionSpec("exact-match", exact_match, "response equals the label"),
-        RewardFunctionSpec("math", math_reward, "last number or \\boxed{} answer equals the label numerically"),
         RewardFunctionSpec("f1", f1_reward, "token F1 of the (\\boxed{}) answer against the label"),
         RewardFunctionSpec("remote", remote_reward, "scored by the reward server at --rm-url"),
     ]

@@ -82,7 +82,7 @@ def test_a_name_of_another_kind_is_refused_naming_what_it_is_and_its_plugin():
     with pytest.raises(PluginError) as refused:
         registry_of(None).resolve("batch_filters", "math")
     message = str(refused.value)
-    assert message.startswith("'math' is a reward function, not a batch filter (provided by plugin 'rollout_builtins')")
+    assert message.startswith("'math' is a reward function, not a batch filter (provided by plugin 'math_rewards')")
     assert "registered batch filters: nonzero-std" in message
     with pytest.raises(PluginError, match="^'nonzero-std' is a batch filter, not a checkpoint policy"):
         registry_of(None).resolve("checkpoint_policies", "nonzero-std")
