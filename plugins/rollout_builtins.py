@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from slime import hookimpl
+from slime.plugins.math_rewards import last_boxed
 from slime.rollout.filter_hub.base_types import DynamicFilterOutput
 from slime.rollout.settings import RolloutSettings
 from slime.specs import BatchFilterSpec, DataSourceSpec, RewardFunctionSpec, RolloutFunctionSpec
@@ -34,21 +35,6 @@ def exact_match(args: Any, sample: Any) -> float:
     return float(_response(sample) == str(sample.label).strip())
 
 
-def _boxed(text: str) -> str | None:
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 0, start + len("\\boxed{")
-    for position in range(begin, len(text)):
-        if text[position] == "{":
-            depth += 1
-        elif text[position] == "}":
-            if depth == 0:
-                return text[begin:position]
-            depth -= 1
-    return None
-
-
 def _f1_tokens(text: str) -> list[str]:
     """Lower-cased whitespace tokens of `text` with every punctuation character (Unicode category P*) removed."""
     kept = "".join(" " if unicodedata.category(char).startswith("P") else char for char in text.lower())
@@ -69,12 +55,12 @@ def token_f1(prediction: str, reference: str) -> float:
 
 
 def f1_reward(args: Any, sample: Any) -> float:
-    """Token F1 between the response's answer (the content of its last `\\boxed{}`, else the whole response) and
+    """Token F1 between the response's answer (its last `\\boxed{}` or `\\fbox{}`, else the whole response) and
     the label."""
     if sample.label is None:
         raise ValueError(f"f1 reward needs a label (--label-key); sample {sample.index} has none")
     response = sample.response or ""
-    boxed = _boxed(response)
+    boxed = last_boxed(response)
     return token_f1(boxed if boxed is not None else response, str(sample.label))
 
 

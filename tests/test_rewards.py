@@ -338,6 +338,7 @@ def test_token_f1():
     assert token_f1("don't", "dont") == 0.0  # punctuation separates: "don t" vs "dont"
     args = _args()
     assert f1_reward(args, Sample(response="thinking... \\boxed{New York}", label="new york")) == 1.0
+    assert f1_reward(args, Sample(response="so \\fbox{new york!}", label="New York")) == 1.0
     with pytest.raises(ValueError, match="f1 reward needs a label"):
         f1_reward(args, Sample(response="x"))
 
