@@ -36,7 +36,13 @@ from slime.data.run_lock import hold_save_directory
 from slime.determinism import check_reproducible_resume
 from slime.errors import RunInterrupted, UsageError
 from slime.interfaces import run_transport
-from slime.observability.logging_utils import configure_logger, finish_tracking, init_tracking
+from slime.observability.logging_utils import (
+    configure_logger,
+    finish_tracking,
+    init_tracking,
+    quiet_progress_bars,
+    verbose_requested,
+)
 from slime.observability.phase_timer import PhaseTimer
 from slime.ray.placement_group import create_placement_groups, create_rollout_manager, create_training_models
 from slime.ray.settings import DriverSettings, InputSettings, check_run_settings
@@ -163,7 +169,10 @@ def check_run_inputs(args: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the command line, start the run on Ray, train, and tear the run down."""
-    configure_logger()
+    verbose = verbose_requested(argv)
+    configure_logger(verbose=verbose)
+    if not verbose:
+        quiet_progress_bars()
     args = parse_args(argv)
     try:
         with contextlib.ExitStack() as held:
@@ -197,7 +206,7 @@ def _run(args: Any) -> int:
         raise UsageError(str(exc)) from exc
     check_run_settings(args)
     if not ray.is_initialized():
-        ray.init()
+        ray.init(logging_level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING)
     init_tracking(args)
     rollout_manager = None
     try:

@@ -4,7 +4,8 @@ Driven by the driver's lifecycle hooks. Rollout metrics (reward, time) are writt
 by the rollout manager (through `--metrics-dir`, which this plugin points at the logical `--save` directory:
 a resumed run saves into a new branch directory, and its lines must continue the same file). This plugin
 adds the trainers' metrics, the driver's phase times (`perf/*`) and commits to that file, shows a tqdm bar
-over the run's steps (reward mean, step time, last commit), and at the last step draws
+over the run's steps (reward mean, step time, last commit) with a summary line above it every `--log-interval`
+steps (`summary_line`), and at the last step draws
 `<save>/reward_curve.png` from every run's lines (a step trained again after a crash counts with its latest
 line) and prints where everything was written. Each run's report reads one `ReportSettings`, built from the
 run's arguments when its first step reports.
@@ -40,6 +41,7 @@ class ReportSettings(Settings):
     metrics_dir: str | None = option("metrics_dir")
     hf_checkpoint: str | None = option("hf_checkpoint")
     rollout_data_dir: str | None = option("rollout_data_dir")
+    log_interval: int = option("log_interval", 10, convert=int, minimum=1)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -62,6 +64,30 @@ def reward_by_step(records: list[dict[str, Any]]) -> dict[int, float]:
         if REWARD_KEY in record:
             rewards[int(record["step"])] = float(record[REWARD_KEY])
     return dict(sorted(rewards.items()))
+
+
+#: The train metrics a summary line shows, when the backend reports them: (label, metric key).
+SUMMARY_TRAIN_METRICS = (("loss", "train/loss"), ("grad_norm", "train/grad_norm"), ("entropy", "train/entropy"))
+
+
+def summary_line(
+    steps: tuple[int, int],
+    rewards: list[float],
+    step_times: list[float],
+    train: dict[str, float],
+    last_commit: int | None,
+) -> str:
+    """One console line for the steps `steps` (first, last): mean reward and step time over them, the last train
+    metrics of `SUMMARY_TRAIN_METRICS` and the last committed step."""
+    span = f"step {steps[0]}" if steps[0] == steps[1] else f"steps {steps[0]}-{steps[1]}"
+    parts = [span, f"reward {sum(rewards) / len(rewards):.3f}" if rewards else "reward ?"]
+    if step_times:
+        parts.append(f"{sum(step_times) / len(step_times):.1f}s/step")
+    shown = [f"{label} {train[key]:.4g}" for label, key in SUMMARY_TRAIN_METRICS if key in train]
+    if shown:
+        parts.append(" ".join(shown))
+    parts.append("no commit yet" if last_commit is None else f"last commit {last_commit}")
+    return " | ".join(parts)
 
 
 def plot_reward_curve(rewards: dict[int, float], path: Path) -> Path:
@@ -104,10 +130,16 @@ class RunReport:
             unit="step",
             file=sys.stderr,
             dynamic_ncols=True,
+            disable=False,  # TQDM_DISABLE (logging_utils.QUIET_ENV) is meant for the libraries' bars
         )
         self.last_commit: tuple[int, str] | None = None
         self.postfix: dict[str, str] = {}
         self.finished = False
+        #: What the next summary line averages or shows: the interval's first step, rewards and step times.
+        self.interval_start: int | None = None
+        self.interval_rewards: list[float] = []
+        self.interval_step_times: list[float] = []
+        self.train: dict[str, float] = {}
 
     def _show(self, refresh: bool) -> None:
         self.bar.set_postfix_str(" ".join(f"{key}={value}" for key, value in self.postfix.items()), refresh=refresh)
@@ -121,6 +153,8 @@ class RunReport:
 
     def after_rollout(self, rollout_id: int, metrics: dict[str, Any]) -> None:
         reward = self.rollout_reward(rollout_id, metrics)
+        if reward is not None:
+            self.interval_rewards.append(reward)
         self.postfix["reward"] = "?" if reward is None else f"{reward:.3f}"
         self._show(refresh=True)
 
@@ -132,6 +166,7 @@ class RunReport:
         }
         if train:
             log_metrics(self.args, rollout_id, train)
+            self.train = train
 
     def checkpoint_committed(self, rollout_id: int, path: str) -> None:
         self.last_commit = (rollout_id, path)
@@ -142,12 +177,27 @@ class RunReport:
     def step_end(self, rollout_id: int, metrics: dict[str, Any]) -> None:
         """The driver's phase times go to the metrics; the bar advances; the last step closes the run."""
         log_metrics(self.args, rollout_id, metrics)
+        first = rollout_id if self.interval_start is None else self.interval_start
+        self.interval_start = first
         if "perf/step_time" in metrics:
             self.postfix["step_time"] = f"{metrics['perf/step_time']:.1f}s"
+            self.interval_step_times.append(float(metrics["perf/step_time"]))
         self._show(refresh=False)
         self.bar.update(1)
-        if rollout_id + 1 >= self.num_rollout:
+        last = rollout_id + 1 >= self.num_rollout
+        if last or (rollout_id + 1) % self.settings.log_interval == 0:
+            self.summarize((first, rollout_id))
+        if last:
             self.finish()
+
+    def summarize(self, steps: tuple[int, int]) -> None:
+        """Print the summary line of `steps` (first, last), above the bar, and start a new interval."""
+        commit = None if self.last_commit is None else self.last_commit[0]
+        line = summary_line(steps, self.interval_rewards, self.interval_step_times, self.train, commit)
+        self.bar.write(line, file=sys.stderr)
+        self.interval_start = None
+        self.interval_rewards = []
+        self.interval_step_times = []
 
     def finish(self) -> None:
         """Close the bar, draw the reward curve and print where the run's outputs are."""

@@ -6,11 +6,13 @@ without either, metrics are logged only. Each line is one JSON object `{"step", 
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +21,16 @@ logger = logging.getLogger(__name__)
 _files: dict[str, Any] = {}
 _files_lock = threading.Lock()
 
+#: Libraries whose INFO lines are chatter on a run's console: kept at WARNING unless the run is `--verbose`.
+CHATTY_LOGGERS = ("filelock", "huggingface_hub", "ray", "transformers", "urllib3")
+#: Set, unless already set, by a run without `--verbose` before Ray starts (its workers inherit them): the
+#: libraries' progress bars ("Loading weights", "Writing model shards") stay off in every process of the run.
+QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
 
-def configure_logger(level: int = logging.INFO) -> None:
-    """Give the root logger one stream handler with a timestamped format (idempotent)."""
+
+def configure_logger(level: int = logging.INFO, *, verbose: bool = False) -> None:
+    """Give the root logger one stream handler with a timestamped format (idempotent); keep library chatter at
+    WARNING and the run's own DEBUG lines (each step's metrics, each option the demo sets) off unless `verbose`."""
     root = logging.getLogger()
     if not any(getattr(handler, "_slime", False) for handler in root.handlers):
         handler = logging.StreamHandler()
@@ -29,8 +38,26 @@ def configure_logger(level: int = logging.INFO) -> None:
         handler._slime = True
         root.addHandler(handler)
     root.setLevel(level)
-    # One INFO line per HTTP request would drown the run's own log.
-    logging.getLogger("httpx").setLevel(max(level, logging.WARNING))
+    quiet = max(level, logging.WARNING)
+    # One INFO line per HTTP request would drown the run's own log, verbose or not.
+    logging.getLogger("httpx").setLevel(quiet)
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.NOTSET if verbose else quiet)
+    logging.getLogger("slime").setLevel(logging.DEBUG if verbose else logging.NOTSET)
+
+
+def quiet_progress_bars() -> None:
+    """Turn the libraries' progress bars off in this process and the Ray workers it starts (`QUIET_ENV`)."""
+    for name, value in QUIET_ENV.items():
+        os.environ.setdefault(name, value)
+
+
+def verbose_requested(argv: Sequence[str] | None) -> bool:
+    """Whether the command line asks for `--verbose` (the flag itself is registered with the run's arguments), read
+    before parsing so that parsing's own log lines (the demo's options) follow it."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--verbose", action="store_true")
+    return pre.parse_known_args(argv)[0].verbose
 
 
 def metrics_path(args: Any) -> Path | None:
@@ -60,8 +87,9 @@ def _open(path: Path) -> Any:
 
 
 def log_metrics(args: Any, step: int, metrics: dict) -> None:
-    """Append one metrics line (flushed and fsynced: metrics survive a killed run)."""
-    logger.info("step %s: %s", step, metrics)
+    """Append one metrics line (flushed and fsynced: metrics survive a killed run); the line is logged at DEBUG
+    (shown with `--verbose`: the console's summary is the progress bar's, every `--log-interval` steps)."""
+    logger.debug("step %s: %s", step, metrics)
     path = metrics_path(args)
     if path is None:
         return

@@ -70,8 +70,8 @@ class RolloutManager:
     def __init__(
         self, args: Any, pg: Any, *, restore_plan: Any = None, serving: Any = None, deployment: Any = None
     ) -> None:
-        configure_logger()
         self._settings = ManagerSettings.from_args(args)
+        configure_logger(verbose=self._settings.verbose)
         self.serving = serving
         self.pg = pg
         self.args = args

@@ -146,6 +146,8 @@ class ManagerSettings(Settings):
     )
     #: Set by the framework (checkpoint restore): the weight version the engines serve at the start.
     update_weight_start_version: int = option("update_weight_start_version", 0, convert=int, minimum=0)
+    #: Log every step's metrics (and library INFO lines) in the manager's process too.
+    verbose: bool = option("verbose", False)
 
     def __post_init__(self) -> None:
         super().__post_init__()

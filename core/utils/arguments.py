@@ -356,6 +356,32 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     debug.add_argument("--metrics-dir", default=None)
 
+    console = parser.add_argument_group("console")
+    console.add_argument(
+        "--log-interval",
+        type=_positive_int,
+        default=10,
+        metavar="N",
+        help="every N steps the progress bar prints one summary line: the interval's mean reward and step time, "
+        "the last train loss, grad norm and entropy, the last commit",
+    )
+    console.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also log every step's metrics, each option a plugin sets, library INFO lines (Ray, transformers) "
+        "and the actors' progress bars",
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
 
 def build_parser(pm: Any = None) -> argparse.ArgumentParser:
     """The full parser; with a plugin manager, plugins' options are added too."""
