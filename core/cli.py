@@ -9,6 +9,7 @@ slime-run runs [audit] DIR [--json]             inspect a save directory's branc
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -42,6 +43,19 @@ def list_plugins(argv: Sequence[str]) -> int:
     return 0
 
 
+def request_ray_token_auth() -> None:
+    """Ask Ray for token authentication explicitly (`RAY_AUTH_MODE=token`) for the local cluster a run starts.
+
+    Ray turns it on by default for a new local cluster and then warns about it at every start; asking for it keeps
+    the protection and drops the warning. Ray reads the variable once, when it is imported, so this runs before the
+    training driver imports Ray, and does nothing where the user chose a mode, joins a cluster (`RAY_ADDRESS`), or
+    Ray is already imported (the default then stands, warning included).
+    """
+    if "ray" in sys.modules or "RAY_ADDRESS" in os.environ or "RAY_AUTH_MODE" in os.environ:
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -55,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from slime.runs_cli import run_runs_cli
 
             return run_runs_cli(argv[1:])
+        request_ray_token_auth()
         from slime.train import main as train_main
 
         return train_main(argv) or 0

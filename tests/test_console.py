@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -118,3 +121,37 @@ def test_the_demo_logs_one_info_line_for_its_options(tmp_path: Path, caplog: pyt
     debug = [record.getMessage() for record in caplog.records if record.levelno == logging.DEBUG]
     assert len(info) == 1 and info[0].startswith(f"demo: set {len(debug)} options")
     assert "demo sets --rm-type=copy" in debug and not any("--lr=" in line for line in debug)
+
+
+RAY_START = """
+import logging, sys
+from slime.cli import request_ray_token_auth
+request_ray_token_auth()
+import os, ray
+ray.init(num_cpus=1, logging_level=logging.WARNING)
+assert ray.get(ray.remote(lambda: 1).remote()) == 1
+ray.shutdown()
+print("auth mode", os.environ.get("RAY_AUTH_MODE"))
+"""
+
+
+def _start_ray_in_a_new_process(env: dict[str, str]) -> subprocess.CompletedProcess:
+    environment = {key: value for key, value in os.environ.items() if key not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    return subprocess.run(
+        [sys.executable, "-c", RAY_START], env={**environment, **env}, capture_output=True, text=True, timeout=180
+    )
+
+
+@pytest.mark.slow
+def test_a_runs_local_ray_cluster_keeps_token_auth_without_rays_warning() -> None:
+    result = _start_ray_in_a_new_process({})
+    assert result.returncode == 0, result.stderr
+    assert "auth mode token" in result.stdout
+    assert "Token authentication is enabled" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_users_ray_auth_mode_is_kept() -> None:
+    result = _start_ray_in_a_new_process({"RAY_AUTH_MODE": "disabled"})
+    assert result.returncode == 0, result.stderr
+    assert "auth mode disabled" in result.stdout
