@@ -71,6 +71,7 @@ def test_benchmark_rejects_invalid_repetitions(tmp_path: Path, module: str) -> N
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.extended  # about 200 s: in `nox -s extended`, not CI's e2e session
 def test_quick_e2e_benchmark_reports_the_breakdown_ratios_and_resume(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
     completed = _run("benchmarks.e2e", "--quick", "--out", str(out), "--dir", str(tmp_path), timeout=900)
