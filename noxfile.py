@@ -38,6 +38,12 @@ def _install_suite(session: nox.Session) -> None:
     session.install("--no-deps", "-e", CONTRIB_TRANSPORT)
 
 
+def _run_suite(session: nox.Session, markers: str, *options: str) -> None:
+    """Install the suite's packages and run pytest on the tests `markers` selects (none selected fails: exit 5)."""
+    _install_suite(session)
+    session.run("python", "-m", "pytest", "-m", markers, *options, *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+
+
 @nox.session(**VENV)
 def lint(session: nox.Session) -> None:
     session.install("ruff>=0.6")
@@ -48,17 +54,7 @@ def lint(session: nox.Session) -> None:
 @nox.session(**VENV)
 def tests(session: nox.Session) -> None:
     """The whole suite except GPU and end-to-end tests, acceptance spec and contrib transport included."""
-    _install_suite(session)
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "-m",
-        "not gpu and not e2e and not sglang and not megatron",
-        "--timeout=600",
-        *session.posargs,
-        env={"HF_HUB_OFFLINE": "1"},
-    )
+    _run_suite(session, "not gpu and not e2e and not sglang and not megatron", "--timeout=600")
 
 
 @nox.session(name="transport", **VENV)
@@ -91,17 +87,7 @@ def transport_conformance(session: nox.Session, transport: str) -> None:
 
 @nox.session(**VENV)
 def e2e(session: nox.Session) -> None:
-    _install_suite(session)
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "-m",
-        "e2e and not sglang and not megatron and not extended",
-        "--durations=15",
-        *session.posargs,
-        env={"HF_HUB_OFFLINE": "1"},
-    )
+    _run_suite(session, "e2e and not sglang and not megatron and not extended", "--durations=15")
 
 
 @nox.session(**VENV)
@@ -109,17 +95,7 @@ def extended(session: nox.Session) -> None:
     """End-to-end runs left out of CI to keep it within its time budget (marker `extended`): the demo trained by
     the estimators CI does not run end to end, the torch backend's bf16 demo run and the quick end-to-end benchmark's
     own check."""
-    _install_suite(session)
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "-m",
-        "extended and not sglang and not megatron",
-        "--durations=15",
-        *session.posargs,
-        env={"HF_HUB_OFFLINE": "1"},
-    )
+    _run_suite(session, "extended and not sglang and not megatron", "--durations=15")
 
 
 SGLANG_CONSTRAINTS = "requirements/sglang-cpu-constraints.txt"
