@@ -150,7 +150,8 @@ def slime_run_start(args: argparse.Namespace) -> None:
 
 @hookspec
 def slime_after_rollout(args: argparse.Namespace, rollout_id: int, metrics: dict[str, Any]) -> None:
-    """Observer: a rollout step's data was generated and accepted. Called by the driver; results ignored."""
+    """Observer: a rollout step's data was generated and accepted; `metrics` holds what the rollout manager
+    logged for it (`rollout/reward`, `rollout/response_length`, phase times, ...). Called by the driver."""
 
 
 @hookspec
@@ -164,6 +165,15 @@ def slime_step_end(args: argparse.Namespace, rollout_id: int, metrics: dict[str,
 
     `metrics` holds the driver's phase times in seconds: `perf/train_time`, `perf/save_time` (steps that
     saved), `perf/update_weights_time` and `perf/step_time` (the whole step). Called by the driver.
+    """
+
+
+@hookspec
+def slime_after_eval(args: argparse.Namespace, rollout_id: int, metrics: dict[str, Any]) -> None:
+    """Observer: the engines' weights after step `rollout_id` were evaluated (before the first step: step 0).
+
+    `metrics` holds what was logged: `eval/<name>/reward` per `--eval-prompt-data` dataset, `eval/<name>/pass@k`
+    when prompts were sampled more than once, and the eval rollout function's own metrics. Called by the driver.
     """
 
 

@@ -32,6 +32,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from slime.data.checkpoint import save_checkpoint
 from slime.data.data_source import prompt_record_keys, read_prompt_records
+from slime.data.eval_data import read_eval_records
 from slime.data.run_lock import hold_save_directory
 from slime.determinism import check_reproducible_resume
 from slime.errors import RunInterrupted, UsageError
@@ -71,6 +72,10 @@ class _Observers:
 
         self._hook = build_plugin_manager(selection).hook
 
+    @property
+    def active(self) -> bool:
+        return self._hook is not None
+
     def call(self, name: str, **kwargs: Any) -> None:
         if self._hook is not None:
             getattr(self._hook, name)(**kwargs)
@@ -91,23 +96,34 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
     """
     actor_model, critic_model = create_training_models(args, pgs, rollout_manager)
     settings = DriverSettings.from_args(args)
-    num_rollout = settings.num_rollout
-    if num_rollout is None:
-        raise ValueError("train() needs --num-rollout (with --num-epoch, create_rollout_manager sets it)")
     observers = _Observers(settings.plugin_selection)
+
+    def evaluate(rollout_id: int) -> None:
+        metrics = ray.get(rollout_manager.eval.remote(rollout_id))
+        observers.call("slime_after_eval", args=args, rollout_id=rollout_id, metrics=dict(metrics or {}))
+
+    num_rollout = settings.num_rollout
+    if num_rollout is None and not settings.eval_only:
+        raise ValueError("train() needs --num-rollout (with --num-epoch, create_rollout_manager sets it)")
     eval_interval = settings.eval_interval
 
     actor_model.update_weights()
     ray.get(rollout_manager.training_ready.remote())
+    if settings.eval_only:
+        # Logged with the step whose weights are evaluated: the loaded checkpoint's (step 0 for a fresh model).
+        evaluate(max(settings.start_rollout_id - 1, 0))
+        ray.get(rollout_manager.dispose.remote())
+        return
 
     for rollout_id in range(settings.start_rollout_id, num_rollout):
         timer = PhaseTimer()
         step_started = time.perf_counter()
         if eval_interval is not None and rollout_id == 0 and not settings.skip_eval_before_train:
-            ray.get(rollout_manager.eval.remote(rollout_id))
+            evaluate(rollout_id)
 
         rollout_data_ref = ray.get(rollout_manager.generate.remote(rollout_id))
-        observers.call("slime_after_rollout", args=args, rollout_id=rollout_id, metrics={})
+        rollout_metrics = ray.get(rollout_manager.rollout_metrics.remote()) if observers.active else {}
+        observers.call("slime_after_rollout", args=args, rollout_id=rollout_id, metrics=rollout_metrics)
         if settings.release_train:
             actor_model.create(rollout_manager)
             if critic_model is not None:
@@ -147,7 +163,7 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
             ray.get(rollout_manager.resume_rollout_admission.remote())
 
         if should_run_periodic_action(rollout_id, eval_interval, num_rollout_per_epoch):
-            ray.get(rollout_manager.eval.remote(rollout_id))
+            evaluate(rollout_id)
         timer.seconds["step"] = time.perf_counter() - step_started
         observers.call("slime_step_end", args=args, rollout_id=rollout_id, metrics=timer.metrics())
 
@@ -155,7 +171,8 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
 
 
 def check_run_inputs(args: Any) -> None:
-    """Fail on a bad `--hf-checkpoint` directory or `--prompt-data` file before any Ray actor starts.
+    """Fail on a bad `--hf-checkpoint` directory, `--prompt-data` or `--eval-prompt-data` file before any Ray
+    actor starts.
 
     Runs after `slime_run_start` (which may build them). The prompt file is checked only for the built-in
     data sources, the ones that read it as JSONL/Parquet rows.
@@ -165,6 +182,7 @@ def check_run_inputs(args: Any) -> None:
         validate_hf_checkpoint_dir(inputs.hf_checkpoint)
     if inputs.prompt_data and inputs.data_source in PROMPT_FILE_SOURCES:
         read_prompt_records(inputs.prompt_data, required_keys=prompt_record_keys(args))
+    read_eval_records(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -405,3 +405,32 @@ def test_failed_validation_leaves_no_checkpoint(model_dir, tmp_path):
         check_run_inputs(args)
     assert not save.exists()
     _assert_no_checkpoint(save)
+
+
+# ---------------------------------------------------------------------------------------- evaluation data
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--eval-interval", "2"), "--eval-interval evaluates nothing without --eval-prompt-data NAME PATH"),
+        (("--eval-only",), "--eval-only evaluates nothing without --eval-prompt-data"),
+        (("--eval-prompt-data", "held", "h.jsonl"), "--eval-prompt-data is never evaluated: add --eval-interval N"),
+        (("--eval-prompt-data", "held", "--eval-interval", "2"), "--eval-prompt-data got 1 values"),
+    ],
+)
+def test_an_evaluation_that_would_do_nothing_is_refused_at_parse_time(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit):
+        parse_args(_run_args(tmp_path / "model", tmp_path / "p.jsonl", tmp_path / "save", *extra))
+    assert message in capsys.readouterr().err
+
+
+def test_slime_run_names_a_missing_eval_file_before_ray_starts(model_dir, tmp_path):
+    missing = tmp_path / "held-out.jsonl"
+    save = tmp_path / "save"
+    argv = _run_args(model_dir, _prompts(tmp_path / "prompts.jsonl"), save)
+    result = _slime_run([*argv, "--eval-prompt-data", "held", str(missing), "--eval-interval", "1"], cwd=tmp_path)
+    assert result.returncode != 0
+    assert f"slime-run: error: --eval-prompt-data held {missing} does not exist" in result.stdout
+    assert "Traceback" not in result.stdout and "Started a local Ray instance" not in result.stdout
+    _assert_no_checkpoint(save)

@@ -163,7 +163,7 @@ def test_metrics_are_json_lines_under_the_metrics_dir(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()]
     assert lines[0]["step"] == 3 and lines[0]["rollout/reward"] == 0.5 and lines[0]["rollout/response_length"] == 3
     assert lines[0]["custom"] == 7 and lines[0]["rollout/time"] == 1.5
-    assert lines[1]["eval/gsm"] == 0.5
+    assert lines[1]["eval/gsm/reward"] == 0.5
     no_dir = SimpleNamespace()
     logging_utils.init_tracking(no_dir)
     logging_utils.log_rollout_data(0, no_dir, samples, None, 0.0)

@@ -27,7 +27,13 @@ def _manager(log: list, fail_generate_at: int | None = None, **behaviours):
             raise RuntimeError(f"rollout {rollout_id} failed")
         return [f"ref-{rollout_id}"]
 
-    behaviours = {"generate": generate, "pause_rollout_admission": True, **behaviours}
+    behaviours = {
+        "generate": generate,
+        "pause_rollout_admission": True,
+        "rollout_metrics": {"rollout/reward": 0.25},
+        "eval": {"eval/held-out/reward": 0.5},
+        **behaviours,
+    }
     return fake_actor_handle(RolloutManager, log, "manager", **behaviours)
 
 
@@ -153,6 +159,46 @@ def test_eval_before_training_and_periodically(train_module, monkeypatch):
     assert [a[0] for n, a, _ in log if n == "manager.eval"] == [0, 1, 3]
 
 
+def _eval_observer(monkeypatch, seen: list):
+    from slime.plugin_manager import PluginSelection
+
+    plugin = types.ModuleType("slime_test_eval_observer")
+
+    @hookimpl
+    def slime_after_eval(args, rollout_id, metrics):
+        seen.append((rollout_id, metrics))
+
+    plugin.slime_after_eval = slime_after_eval
+    monkeypatch.setitem(sys.modules, plugin.__name__, plugin)
+    return PluginSelection(plugins=(plugin.__name__,), autoload=False)
+
+
+def test_each_eval_reaches_the_observers_with_its_metrics(train_module, monkeypatch):
+    seen: list = []
+    selection = _eval_observer(monkeypatch, seen)
+    log: list = []
+    _wire(train_module, monkeypatch, log)
+    args = _args(num_rollout=2, eval_interval=1, save_interval=None, plugin_selection=selection)
+    train_module.train(args, {}, _manager(log), None, None)
+    assert seen == [(step, {"eval/held-out/reward": 0.5}) for step in (0, 0, 1)]
+
+
+@pytest.mark.parametrize(("start", "logged_at"), [(0, 0), (5, 4)])
+def test_eval_only_evaluates_the_loaded_weights_once_and_trains_nothing(train_module, monkeypatch, start, logged_at):
+    seen: list = []
+    log: list = []
+    _wire(train_module, monkeypatch, log)
+    args = _args(
+        num_rollout=None, start_rollout_id=start, eval_only=True, plugin_selection=_eval_observer(monkeypatch, seen)
+    )
+    train_module.train(args, {}, _manager(log), None, None)
+    names = _names(log)
+    assert names.index("actor.update_weights") < names.index("manager.eval")
+    assert "manager.generate" not in names and "actor.async_train" not in names and "save_checkpoint" not in names
+    assert names[-1] == "manager.dispose"
+    assert seen == [(logged_at, {"eval/held-out/reward": 0.5})]
+
+
 def test_observer_hooks_are_called_with_the_run_plugins(train_module, monkeypatch):
     from slime.plugin_manager import PluginSelection
 
@@ -161,7 +207,7 @@ def test_observer_hooks_are_called_with_the_run_plugins(train_module, monkeypatc
 
     @hookimpl
     def slime_after_rollout(args, rollout_id, metrics):
-        seen.append(("rollout", rollout_id))
+        seen.append(("rollout", rollout_id, metrics))
 
     @hookimpl
     def slime_after_train_step(args, rollout_id, metrics):
@@ -179,7 +225,7 @@ def test_observer_hooks_are_called_with_the_run_plugins(train_module, monkeypatc
     _wire(train_module, monkeypatch, log)
     args = _args(num_rollout=1, plugin_selection=PluginSelection(plugins=(plugin.__name__,), autoload=False))
     train_module.train(args, {}, _manager(log), None, None)
-    assert seen == [("rollout", 0), ("train", 0, 0.5), ("commit", 0, "/unused")]
+    assert seen == [("rollout", 0, {"rollout/reward": 0.25}), ("train", 0, 0.5), ("commit", 0, "/unused")]
 
 
 def test_joint_commit_records_the_weights_that_generated_the_step(train_module, monkeypatch, tmp_path):

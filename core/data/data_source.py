@@ -66,15 +66,18 @@ def _check_record(record: Any, where: str, required_keys: Mapping[str, str]) -> 
     return record
 
 
-def read_prompt_records(path: str | os.PathLike, *, required_keys: Mapping[str, str] | None = None) -> list[dict]:
+def read_prompt_records(
+    path: str | os.PathLike, *, required_keys: Mapping[str, str] | None = None, source: str = "--prompt-data"
+) -> list[dict]:
     """Rows of a JSONL or Parquet prompt file; `required_keys` maps each field every row needs to its flag.
 
-    Errors name the file, the line (JSONL) or row (Parquet), what is wrong and the fix.
+    Errors name `source` (the flag that gave the file), the file, the line (JSONL) or row (Parquet), what is
+    wrong and the fix.
     """
     path = Path(path).expanduser()
     required_keys = dict(required_keys or {})
     if not path.is_file():
-        raise FileNotFoundError(f"--prompt-data {path} does not exist")
+        raise FileNotFoundError(f"{source} {path} does not exist")
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -96,11 +99,12 @@ def read_prompt_records(path: str | os.PathLike, *, required_keys: Mapping[str, 
                     ) from exc
                 records.append(_check_record(record, f"{path}:{number}", required_keys))
     if not records:
-        raise ValueError(f"--prompt-data {path} holds no prompts")
+        raise ValueError(f"{source} {path} holds no prompts")
     return records
 
 
-def _to_sample(record: dict, settings: PromptSettings) -> Sample:
+def record_to_sample(record: dict, settings: PromptSettings) -> Sample:
+    """The Sample of one prompt row (prompt, label and metadata read with the run's field flags)."""
     prompt = record[settings.input_key]
     if settings.apply_chat_template and isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
@@ -120,7 +124,7 @@ class RolloutDataSource(DataSource):
         if not settings.prompt_data:
             raise ValueError("RolloutDataSource needs --prompt-data FILE.jsonl (or .parquet)")
         records = read_prompt_records(settings.prompt_data, required_keys=settings.record_keys())
-        self.dataset = [_to_sample(record, settings) for record in records]
+        self.dataset = [record_to_sample(record, settings) for record in records]
         self.epoch_id = 0
         self.sample_offset = 0
         self.sample_group_index = 0

@@ -120,8 +120,9 @@ def _mean(values: list) -> float | None:
     return sum(numbers) / len(numbers) if numbers else None
 
 
-def log_rollout_data(rollout_id: int, args: Any, samples: list, metrics: dict | None, time_s: float) -> None:
-    """Log the reward and response-length statistics of one training rollout plus the rollout's own metrics."""
+def log_rollout_data(rollout_id: int, args: Any, samples: list, metrics: dict | None, time_s: float) -> dict[str, Any]:
+    """Log the reward and response-length statistics of one training rollout plus the rollout's own metrics;
+    returns the logged record."""
     rewards = [sample.get_reward_value(args) for sample in samples]
     lengths = [sample.response_length for sample in samples]
     record: dict[str, Any] = {"rollout/time": time_s, "rollout/num_samples": len(samples)}
@@ -131,14 +132,24 @@ def log_rollout_data(rollout_id: int, args: Any, samples: list, metrics: dict | 
         record["rollout/response_length"] = length
     record.update(metrics or {})
     log_metrics(args, rollout_id, record)
+    return record
 
 
-def log_eval_rollout_data(rollout_id: int, args: Any, data: dict, metrics: dict | None) -> None:
-    """Log the mean reward of every evaluation dataset (`data[name]["rewards"]`) plus the eval metrics."""
+def log_eval_rollout_data(rollout_id: int, args: Any, data: dict, metrics: dict | None) -> dict[str, Any]:
+    """Log every evaluation dataset's metrics (`data[name]` holds its "rewards" and, from the built-in eval
+    rollout, its scored "samples": `eval/<name>/reward`, and pass@k when prompts were sampled more than once)
+    plus the eval rollout's own metrics; returns the logged record."""
+    from slime.data.eval_data import eval_metrics
+
     record: dict[str, Any] = {}
     for name, values in (data or {}).items():
-        rewards = values.get("rewards", []) if isinstance(values, dict) else []
-        if (reward := _mean(rewards)) is not None:
-            record[f"eval/{name}"] = reward
+        if not isinstance(values, dict):
+            continue
+        rewards, samples = values.get("rewards", []), values.get("samples")
+        if samples is not None and len(samples) == len(rewards):
+            record.update(eval_metrics(name, samples, rewards))
+        elif (reward := _mean(rewards)) is not None:
+            record[f"eval/{name}/reward"] = reward
     record.update(metrics or {})
     log_metrics(args, rollout_id, record)
+    return record

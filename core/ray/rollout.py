@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import ray
@@ -66,6 +68,10 @@ class RolloutManager:
     _published_engines: tuple[list[str], str | None] | None = None
     #: Engines that released their memory after the last rollout step (`--offload-rollout`).
     _released_urls: frozenset[str] = frozenset()
+    #: Held-out prompts of --eval-prompt-data (None until started; empty: eval functions read the data source's).
+    eval_data: Any = None
+    #: What `log_rollout_data` logged for the last generated step (empty before the first).
+    _rollout_metrics: Mapping[str, Any] = MappingProxyType({})
 
     def __init__(
         self, args: Any, pg: Any, *, restore_plan: Any = None, serving: Any = None, deployment: Any = None
@@ -127,6 +133,10 @@ class RolloutManager:
         self.data_source = self._create_data_source(restore_plan)
         self.generate_rollout = load_function(plugin_name("rollout_functions", settings.rollout_function, args))
         self.eval_generate_rollout = load_function(plugin_name("rollout_functions", settings.eval_function, args))
+        from slime.data.eval_data import EvalDatasets
+
+        # Held-out prompts (--eval-prompt-data); without them, eval functions read the data source's own.
+        self.eval_data = EvalDatasets(args)
         from slime.data.batch_builder import BatchBuilder
 
         self.batch_builder = BatchBuilder(args, controller=self.controller)
@@ -207,20 +217,27 @@ class RolloutManager:
         self._release_engine_memory()
         return result
 
-    def eval(self, rollout_id: int) -> None:
+    def eval(self, rollout_id: int) -> dict[str, Any]:
+        """Evaluate the engines' current weights; returns the logged eval metrics (`eval/<name>/...`)."""
         args = self.args
         if self.settings.debug_train_only:
-            return
+            return {}
         self.rollout_id = rollout_id
         self._resume_engine_memory()
         self.health_monitoring_resume()
+        source = self.eval_data or self.data_source
         with rollout_session_scope(self.transport.rollout_session(self.controller)):
-            result = call_rollout_fn(self.eval_generate_rollout, args, rollout_id, self.data_source, evaluation=True)
+            result = call_rollout_fn(self.eval_generate_rollout, args, rollout_id, source, evaluation=True)
         self._check_engines()
         save_debug_rollout_data(
             self.settings.save_debug_rollout_data, result.data, rollout_id=rollout_id, evaluation=True
         )
-        log_eval_rollout_data(rollout_id, args, result.data, result.metrics)
+        return log_eval_rollout_data(rollout_id, args, result.data, result.metrics) or {}
+
+    def rollout_metrics(self) -> dict[str, Any]:
+        """The metrics logged for the last generated step (reward, lengths, phase times), for the driver's
+        observers."""
+        return dict(self._rollout_metrics)
 
     def _generate(self, rollout_id: int, start_time: float) -> Any:
         """Generate, convert and store one step; its rollout metrics line carries the phase times."""
@@ -239,7 +256,9 @@ class RolloutManager:
         result = None
         if not self.settings.debug_rollout_only:
             result = self._build_batch(data, timer)
-        log_rollout_data(rollout_id, args, data, {**(metrics or {}), **timer.metrics()}, time.time() - start_time)
+        self._rollout_metrics = log_rollout_data(
+            rollout_id, args, data, {**(metrics or {}), **timer.metrics()}, time.time() - start_time
+        )
         return result
 
     def _build_batch(self, data: list, timer: PhaseTimer) -> Any:

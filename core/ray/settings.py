@@ -55,6 +55,8 @@ class DriverSettings(Settings):
     save_interval: int | None = option("save_interval", convert=int, minimum=1)
     eval_interval: int | None = option("eval_interval", convert=int, minimum=1)
     skip_eval_before_train: bool = option("skip_eval_before_train", False)
+    #: Evaluate the loaded model once and stop (no step is trained).
+    eval_only: bool = option("eval_only", False)
     use_critic: bool = option("use_critic", False)
     num_critic_only_steps: int = option("num_critic_only_steps", 0, convert=int, minimum=0)
     release_train: bool = option("release_train", False)
@@ -63,7 +65,7 @@ class DriverSettings(Settings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.num_rollout is None and self.num_epoch is None:
+        if self.num_rollout is None and self.num_epoch is None and not self.eval_only:
             raise ValueError("--num-rollout must be given (or --num-epoch)")
 
 

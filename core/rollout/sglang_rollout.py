@@ -22,6 +22,7 @@ retried request never leaves half an answer behind (nor publishes its sample twi
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 from collections.abc import Collection
@@ -468,15 +469,17 @@ def _filter_metrics(dropped: dict[str, int], total: int) -> dict | None:
 
 
 async def eval_rollout(args: Any, rollout_id: int, data_source: Any) -> RolloutFnEvalOutput:
-    """Evaluate `data_source.eval_datasets` (`{name: list[Sample]}`) once each; rewards per dataset."""
+    """Evaluate `data_source.eval_datasets` (`{name: list[Sample]}`) once each: per dataset, the scored samples
+    and their reward values. No sample is published: an evaluation leaves the transport and the queue alone."""
     datasets = getattr(data_source, "eval_datasets", None) or {}
     state = GenerateState(args)
     state.rollout_id = rollout_id
     params = state.settings.sampling_params(evaluation=True)
     results = {}
     for name, samples in datasets.items():
-        scored = await asyncio.gather(*(generate_and_rm(args, s, dict(params), True) for s in samples))
-        results[name] = {"rewards": [s.reward for s in scored], "samples": scored}
+        fresh = copy.deepcopy(samples)  # the dataset's samples stay unanswered for the next evaluation
+        scored = await asyncio.gather(*(generate_and_rm(args, s, dict(params), True) for s in fresh))
+        results[name] = {"rewards": [s.get_reward_value(args) for s in scored], "samples": scored}
     return RolloutFnEvalOutput(data=results)
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import pluggy
 
+from slime.data.eval_data import EvalSettings
 from slime.determinism import check_deterministic_run
 from slime.plugin_manager import (
     PluginError,
@@ -109,6 +110,21 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--rollout-temperature", type=float, default=1.0)
     rollout.add_argument("--rollout-top-p", type=float, default=1.0)
     rollout.add_argument("--rollout-top-k", type=int, default=-1)
+    rollout.add_argument(
+        "--eval-prompt-data",
+        nargs="+",
+        metavar="NAME PATH",
+        default=None,
+        help="held-out prompt files (JSONL or Parquet, the --input-key/--label-key fields) evaluated every "
+        "--eval-interval steps; metrics eval/NAME/reward and eval/NAME/pass@k. Evaluation never draws from the "
+        "training prompts or the queue",
+    )
+    rollout.add_argument(
+        "--n-samples-per-eval-prompt",
+        type=int,
+        default=1,
+        help="samples per eval prompt; above 1, pass@k for k = 1, 2, 4, ... n is reported (a pass earns reward 1)",
+    )
     rollout.add_argument("--eval-max-response-len", type=int, default=None, help="default: --rollout-max-response-len")
     rollout.add_argument("--eval-temperature", type=float, default=None, help="default: --rollout-temperature")
     rollout.add_argument("--eval-top-p", type=float, default=None, help="default: --rollout-top-p")
@@ -350,9 +366,19 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     debug.add_argument("--debug-train-only", action="store_true")
     debug.add_argument("--debug-rollout-only", action="store_true")
-    debug.add_argument("--eval-interval", type=int, default=None)
+    debug.add_argument(
+        "--eval-interval",
+        type=int,
+        default=None,
+        help="evaluate --eval-prompt-data every N steps (and before the first)",
+    )
     debug.add_argument(
         "--skip-eval-before-train", action="store_true", help="no evaluation before the first step (--eval-interval)"
+    )
+    debug.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="evaluate --eval-prompt-data once with the model of --load (or --hf-checkpoint) and stop; trains nothing",
     )
     debug.add_argument("--metrics-dir", default=None)
 
@@ -464,6 +490,20 @@ def _check_reward_options(parser: argparse.ArgumentParser, args: argparse.Namesp
         parser.error(str(exc))
 
 
+def _check_eval_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse an evaluation that would do nothing, or data that would never be evaluated."""
+    try:
+        settings = EvalSettings.from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    evaluates = args.eval_interval is not None or args.eval_only
+    if evaluates and not settings.datasets and args.eval_function_path is None:
+        option = "--eval-only" if args.eval_only else "--eval-interval"
+        parser.error(f"{option} evaluates nothing without --eval-prompt-data NAME PATH [NAME PATH ...]")
+    if settings.datasets and not evaluates:
+        parser.error("--eval-prompt-data is never evaluated: add --eval-interval N (or --eval-only)")
+
+
 def _option_owner(option: str, pm: pluggy.PluginManager) -> tuple[str, bool] | None:
     """The installed plugin, not loaded in `pm`, whose `slime_addoption` defines `option`, and whether it is blocked.
 
@@ -545,6 +585,7 @@ def parse_args(argv: Sequence[str] | None = None, *, return_restore_plan: bool =
     _check_named_options(parser, args, registry)
     _check_advantage_estimator(parser, args, registry)
     _check_reward_options(parser, args)
+    _check_eval_options(parser, args)
     try:
         check_deterministic_run(args, registry)
     except ValueError as exc:

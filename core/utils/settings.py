@@ -54,6 +54,8 @@ def options_from_args(cls: Any, args: Any) -> dict[str, Any]:
             try:
                 value = convert(value)
             except (TypeError, ValueError) as exc:
+                if flag(dest) in str(exc):  # a converter of the option's own, whose message names the flag
+                    raise ValueError(str(exc)) from exc
                 raise ValueError(f"{flag(dest)} must be {convert.__name__}, got {value!r}") from exc
         values[item.name] = value
     return values
