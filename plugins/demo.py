@@ -2,7 +2,8 @@
 
 When the run names neither `--hf-checkpoint` nor `--prompt-data`, `slime_configure` fills in everything
 the job needs: the tiny model built once under `<save>/model`, the copy task's prompts written once to
-`<save>/prompts.jsonl`, the copy reward, two CPU engines, the torch backend, disk weight updates under
+`<save>/prompts.jsonl` (and its eval splits to `<save>/eval_*.jsonl`, evaluated every 20 steps), the copy
+reward, two CPU engines, the torch backend, disk weight updates under
 `<save>/weights` and a checkpoint every few steps. Because the model and prompts live under `--save`,
 rerunning the same command finds them again and resumes from the last joint commit.
 
@@ -41,6 +42,7 @@ class DemoRunSettings(Settings):
     hf_checkpoint: str | None = option("hf_checkpoint")
     prompt_data: str | None = option("prompt_data")
     save: str | None = option("save")
+    eval_prompt_data: tuple[str, ...] = option("eval_prompt_data", (), convert=tuple)
     #: Set by the framework: the destinations the user gave on the command line (the demo changes only the others).
     explicit_options: frozenset[str] = option("explicit_options", frozenset(), convert=frozenset)
     #: Set by this plugin's `slime_configure`: the run is the demo.
@@ -69,6 +71,12 @@ def demo_settings(save_dir: Path) -> dict[str, Any]:
         "rollout_batch_size": 16,
         "n_samples_per_prompt": 8,
         "save_interval": 10,
+        # The eval splits of `demo_eval_files`, evaluated before the first step and every 20 steps with the
+        # built-in eval rollout (whatever rollout function trains); 4 samples per prompt give pass@1, 2 and 4.
+        "eval_prompt_data": [str(part) for split in demo_eval_files(save_dir).items() for part in split],
+        "n_samples_per_eval_prompt": 4,
+        "eval_interval": 20,
+        "eval_function_path": "sglang",
         "rollout_engine": "cpu",
         "rollout_num_engines": 2,
         "train_backend": "torch",
@@ -90,6 +98,19 @@ def demo_settings(save_dir: Path) -> dict[str, Any]:
         "deterministic": True,
         **DEMO_OPTIMIZER,
     }
+
+
+def _training_rows() -> list[dict[str, str]]:
+    from slime.plugins.demo_task import DEMO_ROW_OPTIONS, demo_prompt_rows
+
+    return demo_prompt_rows(DEMO_PROMPT_COUNT, seed=DEMO_PROMPT_SEED, **DEMO_ROW_OPTIONS)
+
+
+def demo_eval_files(save_dir: Path) -> dict[str, Path]:
+    """`{split name: file}` of the demo's eval splits (`demo_task.demo_eval_rows`), under `save_dir`."""
+    from slime.plugins.demo_task import demo_eval_rows
+
+    return {name: save_dir / f"eval_{name}.jsonl" for name in demo_eval_rows(_training_rows())}
 
 
 def _set_default(args: Any, explicit: frozenset[str], dest: str, value: Any) -> bool:
@@ -121,16 +142,22 @@ def configure_demo(args: Any) -> None:
 
 def prepare_demo_files(args: Any) -> None:
     """Build the tiny model and write the prompts once (reruns find them under `--save`)."""
-    from slime.plugins.demo_task import DEMO_ROW_OPTIONS, write_demo_prompts
+    from slime.plugins.demo_task import demo_eval_rows, write_prompt_rows
     from slime.plugins.tiny_model import ensure_tiny_model
 
     settings = DemoRunSettings.from_args(args)
     model_dir = ensure_tiny_model(Path(settings.hf_checkpoint))
     logger.info("demo model: %s", model_dir)
     prompts = Path(settings.prompt_data)
-    if not prompts.exists():
-        write_demo_prompts(prompts, DEMO_PROMPT_COUNT, seed=DEMO_PROMPT_SEED, **DEMO_ROW_OPTIONS)
-        logger.info("demo prompts written to %s", prompts)
+    rows = _training_rows()
+    files = {prompts: rows}
+    eval_files = demo_eval_files(Path(settings.save))
+    for name, split in demo_eval_rows(rows).items():
+        if str(eval_files[name]) in settings.eval_prompt_data:  # not when the user gave other eval data
+            files[eval_files[name]] = split
+    written = [write_prompt_rows(path, content).name for path, content in files.items() if not path.exists()]
+    if written:
+        logger.info("demo prompts written to %s: %s", settings.save, ", ".join(written))
 
 
 @hookimpl

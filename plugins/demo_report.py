@@ -57,6 +57,29 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def eval_rewards(metrics: dict[str, Any]) -> dict[str, float]:
+    """`{dataset: mean reward}` of one eval metrics dict (`eval/<name>/reward` keys)."""
+    return {
+        key[len("eval/") : -len("/reward")]: float(value)
+        for key, value in metrics.items()
+        if key.startswith("eval/") and key.endswith("/reward")
+    }
+
+
+def eval_by_step(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """Each eval dataset's mean reward by step (a step evaluated again after a resume: its latest value)."""
+    curves: dict[str, dict[int, float]] = {}
+    for record in records:
+        for name, reward in eval_rewards(record).items():
+            curves.setdefault(name, {})[int(record["step"])] = reward
+    return {name: dict(sorted(curve.items())) for name, curve in sorted(curves.items())}
+
+
+def format_evals(evals: dict[str, float]) -> str:
+    """`eval held 0.531` (one dataset) or `eval a 0.5 b 0.25`."""
+    return "eval " + " ".join(f"{name} {reward:.3f}" for name, reward in evals.items())
+
+
 def reward_by_step(records: list[dict[str, Any]]) -> dict[int, float]:
     """The reward mean of each step; when a step ran again after a resume, its latest value."""
     rewards: dict[int, float] = {}
@@ -76,9 +99,10 @@ def summary_line(
     step_times: list[float],
     train: dict[str, float],
     last_commit: int | None,
+    evals: dict[str, float] | None = None,
 ) -> str:
     """One console line for the steps `steps` (first, last): mean reward and step time over them, the last train
-    metrics of `SUMMARY_TRAIN_METRICS` and the last committed step."""
+    metrics of `SUMMARY_TRAIN_METRICS`, the interval's last eval rewards (`evals`) and the last committed step."""
     span = f"step {steps[0]}" if steps[0] == steps[1] else f"steps {steps[0]}-{steps[1]}"
     parts = [span, f"reward {sum(rewards) / len(rewards):.3f}" if rewards else "reward ?"]
     if step_times:
@@ -86,19 +110,26 @@ def summary_line(
     shown = [f"{label} {train[key]:.4g}" for label, key in SUMMARY_TRAIN_METRICS if key in train]
     if shown:
         parts.append(" ".join(shown))
+    if evals:
+        parts.append(format_evals(evals))
     parts.append("no commit yet" if last_commit is None else f"last commit {last_commit}")
     return " | ".join(parts)
 
 
-def plot_reward_curve(rewards: dict[int, float], path: Path) -> Path:
-    """Draw reward mean over rollout steps as a PNG (matplotlib, Agg backend); return `path`."""
+def plot_reward_curve(rewards: dict[int, float], path: Path, evals: dict[str, dict[int, float]] | None = None) -> Path:
+    """Draw the training reward mean over rollout steps, and each eval dataset's (`evals`), as a PNG
+    (matplotlib, Agg backend); return `path`."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     figure, axes = plt.subplots(figsize=(6, 4))
-    axes.plot(list(rewards), list(rewards.values()), marker="o")
+    axes.plot(list(rewards), list(rewards.values()), marker="o", markersize=3, label="train reward")
+    for name, curve in (evals or {}).items():
+        axes.plot(list(curve), list(curve.values()), marker="s", linestyle="--", label=f"eval {name}")
+    if evals:
+        axes.legend()
     axes.set_xlabel("rollout step")
     axes.set_ylabel("reward mean")
     axes.set_title("slime-run: reward")
@@ -140,6 +171,9 @@ class RunReport:
         self.interval_rewards: list[float] = []
         self.interval_step_times: list[float] = []
         self.train: dict[str, float] = {}
+        #: The last evaluation's mean reward per dataset, and whether it ran in the current interval.
+        self.evals: dict[str, float] = {}
+        self.interval_evaluated = False
 
     def _show(self, refresh: bool) -> None:
         self.bar.set_postfix_str(" ".join(f"{key}={value}" for key, value in self.postfix.items()), refresh=refresh)
@@ -168,6 +202,16 @@ class RunReport:
             log_metrics(self.args, rollout_id, train)
             self.train = train
 
+    def after_eval(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        """The bar shows the latest eval rewards; the next summary line too."""
+        evals = eval_rewards(metrics)
+        if evals:
+            self.evals = evals
+            self.interval_evaluated = True
+            for name, reward in evals.items():
+                self.postfix[name] = f"{reward:.3f}"
+            self._show(refresh=True)
+
     def checkpoint_committed(self, rollout_id: int, path: str) -> None:
         self.last_commit = (rollout_id, path)
         log_metrics(self.args, rollout_id, {"checkpoint/committed": rollout_id})
@@ -193,8 +237,10 @@ class RunReport:
     def summarize(self, steps: tuple[int, int]) -> None:
         """Print the summary line of `steps` (first, last), above the bar, and start a new interval."""
         commit = None if self.last_commit is None else self.last_commit[0]
-        line = summary_line(steps, self.interval_rewards, self.interval_step_times, self.train, commit)
+        evals = self.evals if self.interval_evaluated else None
+        line = summary_line(steps, self.interval_rewards, self.interval_step_times, self.train, commit, evals)
         self.bar.write(line, file=sys.stderr)
+        self.interval_evaluated = False
         self.interval_start = None
         self.interval_rewards = []
         self.interval_step_times = []
@@ -207,12 +253,16 @@ class RunReport:
         self.bar.close()
         lines = ["", "slime-run finished"]
         if self.metrics_file is not None:
-            rewards = reward_by_step(read_metrics(self.metrics_file))
+            records = read_metrics(self.metrics_file)
+            rewards, evals = reward_by_step(records), eval_by_step(records)
             lines.append(f"  metrics:      {self.metrics_file}")
             if rewards:
-                curve = plot_reward_curve(rewards, self.metrics_file.parent / "reward_curve.png")
+                curve = plot_reward_curve(rewards, self.metrics_file.parent / "reward_curve.png", evals)
                 first, last = next(iter(rewards.values())), list(rewards.values())[-1]
                 lines.append(f"  reward curve: {curve}  (reward {first:.3f} -> {last:.3f})")
+            for name, curve in evals.items():
+                first, last = next(iter(curve.items())), list(curve.items())[-1]
+                lines.append(f"  eval {name}: {first[1]:.3f} (step {first[0]}) -> {last[1]:.3f} (step {last[0]})")
         if self.settings.save:
             lines.append(f"  checkpoints:  {self.settings.save}")
         if self.last_commit is not None:
@@ -267,3 +317,24 @@ def slime_step_end(args: Any, rollout_id: int, metrics: dict[str, Any]) -> None:
 @hookimpl
 def slime_checkpoint_committed(args: Any, rollout_id: int, path: str) -> None:
     _report(args).checkpoint_committed(rollout_id, path)
+
+
+def print_eval_only_result(args: Any, rollout_id: int, metrics: dict[str, Any]) -> None:
+    """What an `--eval-only` run prints: one line per dataset with its metrics, and where they were written."""
+    lines = ["", f"slime-run evaluated the weights of step {rollout_id}"]
+    for name in eval_rewards(metrics):
+        prefix = f"eval/{name}/"
+        shown = {key[len(prefix) :]: value for key, value in metrics.items() if key.startswith(prefix)}
+        values = " ".join(f"{label} {value:.3f}" for label, value in shown.items())
+        lines.append(f"  {name}: {values}")
+    if (path := metrics_path(args)) is not None:
+        lines.append(f"  metrics: {path}")
+    print("\n".join(lines), flush=True)
+
+
+@hookimpl
+def slime_after_eval(args: Any, rollout_id: int, metrics: dict[str, Any]) -> None:
+    if getattr(args, "eval_only", False):
+        print_eval_only_result(args, rollout_id, metrics)
+    else:
+        _report(args).after_eval(rollout_id, metrics)

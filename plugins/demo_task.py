@@ -12,6 +12,7 @@ credit and can climb.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -52,14 +53,34 @@ def demo_prompt_rows(
     return rows
 
 
-def write_demo_prompts(path: str | os.PathLike, count: int = 256, *, seed: int = 0, **row_options: Any) -> Path:
-    """Write the demo prompts as JSONL (atomically: a temp file, fsync, rename); return the path.
+def task_rows(targets: Iterable[str]) -> list[dict[str, str]]:
+    """The prompt rows `{"input", "label"}` of `targets`, in order."""
+    return [{"input": PROMPT_TEMPLATE.format(target=target), "label": target} for target in targets]
 
-    `row_options` (`min_len`, `max_len`, `alphabet`) go to `demo_prompt_rows`."""
-    rows = demo_prompt_rows(count, seed=seed, **row_options)
+
+def demo_eval_rows(training_rows: list[dict[str, str]]) -> dict[str, list[dict[str, str]]]:
+    """The demo's eval splits: `copy-unseen`, the task's targets that `training_rows` never ask for (left out
+    when there are none), and `copy-all`, every target of the task (`DEMO_ALPHABET` ** `DEMO_TARGET_LENGTH`).
+    The task has only 64 targets, so most are in the training prompts: `copy-all` measures the policy,
+    `copy-unseen` what it does on prompts it never trained on."""
+    every = ["".join(letters) for letters in itertools.product(DEMO_ALPHABET, repeat=DEMO_TARGET_LENGTH)]
+    seen = {row["label"] for row in training_rows}
+    unseen = [target for target in every if target not in seen]
+    splits = {"copy-unseen": task_rows(unseen)} if unseen else {}
+    return {**splits, "copy-all": task_rows(every)}
+
+
+def write_prompt_rows(path: str | os.PathLike, rows: list[dict[str, str]]) -> Path:
+    """Write prompt rows as JSONL (atomically: a temp file, fsync, rename); return the path."""
     return write_atomically(
         path, lambda handle: handle.writelines(json.dumps(row) + "\n" for row in rows), binary=False
     )
+
+
+def write_demo_prompts(path: str | os.PathLike, count: int = 256, *, seed: int = 0, **row_options: Any) -> Path:
+    """Write `count` demo prompts (`demo_prompt_rows`: `row_options` are its `min_len`, `max_len`, `alphabet`)
+    as JSONL; return the path."""
+    return write_prompt_rows(path, demo_prompt_rows(count, seed=seed, **row_options))
 
 
 def copy_reward(args: Any, sample: Any) -> float:

@@ -70,6 +70,33 @@ def test_the_report_prints_a_summary_every_log_interval_steps(tmp_path: Path, ca
     assert report.finished
 
 
+def test_evals_show_in_their_intervals_summary_the_closing_lines_and_the_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    report = _report(tmp_path, num_rollout=4, log_interval=2)
+
+    def evaluate(step: int, reward: float) -> None:
+        metrics = {"eval/held/reward": reward, "eval/held/pass@1": reward / 2}
+        log_metrics(report.args, step, metrics)  # as the rollout manager does
+        report.after_eval(step, metrics)
+
+    evaluate(0, 0.125)
+    for step in range(4):
+        log_metrics(report.args, step, {"rollout/reward": 0.5})
+        report.after_rollout(step, {"rollout/reward": 0.5})
+        if step == 3:
+            evaluate(3, 0.75)
+        report.step_end(step, {})
+    logging_utils.finish_tracking(report.args)
+    out, err = capsys.readouterr()
+    assert [line for line in err.splitlines() if line.startswith("step")] == [
+        "steps 0-1 | reward 0.500 | eval held 0.125 | no commit yet",
+        "steps 2-3 | reward 0.500 | eval held 0.750 | no commit yet",
+    ]
+    assert "  eval held: 0.125 (step 0) -> 0.750 (step 3)" in out
+    assert (tmp_path / "reward_curve.png").stat().st_size > 0
+
+
 def test_a_summary_leaves_out_what_the_interval_did_not_report() -> None:
     assert summary_line((0, 9), [], [], {"train/kl": 0.0}, None) == "steps 0-9 | reward ? | no commit yet"
 

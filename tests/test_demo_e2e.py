@@ -24,9 +24,9 @@ NUM_ROLLOUT = 4
 RUN_TIMEOUT_S = 240
 
 
-def _start(save: Path, log: Path) -> SlimeRunProcess:
+def _start(save: Path, log: Path, *extra: str) -> SlimeRunProcess:
     args = ["--plugin", "straw", "--num-rollout", str(NUM_ROLLOUT), "--save-interval", "1", "--save", str(save)]
-    return SlimeRunProcess(args, log, cwd=save.parent)
+    return SlimeRunProcess([*args, *extra], log, cwd=save.parent)
 
 
 def test_demo_configures_a_run_without_model_or_prompts(tmp_path: Path) -> None:
@@ -36,6 +36,14 @@ def test_demo_configures_a_run_without_model_or_prompts(tmp_path: Path) -> None:
     assert not save.exists(), "parsing arguments must not write files"
     prepare_demo_files(args)
     assert (save / "model" / "slime_tiny_model.json").exists() and (save / "prompts.jsonl").exists()
+    eval_files = {"copy-unseen": str(save / "eval_copy-unseen.jsonl"), "copy-all": str(save / "eval_copy-all.jsonl")}
+    assert args.eval_prompt_data == [part for split in eval_files.items() for part in split]
+    assert all(Path(path).exists() for path in eval_files.values())
+    assert (args.eval_interval, args.n_samples_per_eval_prompt, args.eval_function_path) == (20, 4, "sglang")
+    unseen = {json.loads(line)["label"] for line in Path(eval_files["copy-unseen"]).read_text().splitlines()}
+    trained = {json.loads(line)["label"] for line in (save / "prompts.jsonl").read_text().splitlines()}
+    assert unseen and not unseen & trained, "the unseen split holds only prompts the run never trains on"
+    assert len(Path(eval_files["copy-all"]).read_text().splitlines()) == 64
     assert (args.input_key, args.label_key, args.rm_type) == ("input", "label", "copy")
     assert args.num_rollout == 3 and args.rollout_batch_size == 2  # given explicitly: kept
     assert args.global_batch_size == 2 * args.n_samples_per_prompt
@@ -111,16 +119,31 @@ def test_report_logs_phase_times_and_closes_at_the_last_step(tmp_path: Path, cap
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+def test_demo_runs_end_to_end_and_evaluates_without_touching_the_training_data(tmp_path: Path) -> None:
     save = tmp_path / "run"
     log = tmp_path / "run.log"
-    _start(save, log).finish(RUN_TIMEOUT_S)
+    _start(save, log, "--eval-interval", "2").finish(RUN_TIMEOUT_S)
 
+    # Evaluations before step 0 and after steps 1 and 3 drew nothing from the training prompts or the queue.
     run_records.assert_trained_once(save, list(range(NUM_ROLLOUT)))
     run_records.assert_audit_clean(save)
+    evals = [record for record in read_metrics(save / "metrics.jsonl") if "eval/copy-all/reward" in record]
+    assert [record["step"] for record in evals] == [0, 1, 3]
+    for record in evals:
+        assert 0.0 <= record["eval/copy-all/pass@1"] <= record["eval/copy-all/pass@4"] <= 1.0
+        assert "eval/copy-unseen/reward" in record
     steps = [step for step, _ in run_records.rewards(save)]
     assert steps == list(range(NUM_ROLLOUT))
     assert (save / "reward_curve.png").stat().st_size > 0
     assert (save / "model" / "slime_tiny_model.json").exists()
     output = log.read_text()
     assert "slime-run finished" in output and str(save / "reward_curve.png") in output
+    assert "| eval copy-unseen " in output and "  eval copy-all: " in output
+
+    # Eval-only: the committed weights of step 3 evaluated again (the demo's seeded sampling: the same scores), and
+    # nothing trained or committed.
+    _start(save, tmp_path / "eval.log", "--eval-only").finish(RUN_TIMEOUT_S)
+    again = [record for record in read_metrics(save / "metrics.jsonl") if "eval/copy-all/reward" in record][-1]
+    assert again["step"] == 3 and again["eval/copy-all/reward"] == evals[-1]["eval/copy-all/reward"]
+    run_records.assert_trained_once(save, list(range(NUM_ROLLOUT)))
+    assert "slime-run evaluated the weights of step 3" in (tmp_path / "eval.log").read_text()
