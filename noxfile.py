@@ -25,6 +25,9 @@ VENV = {"venv_backend": "venv", "venv_params": ["--system-site-packages"]}
 TRANSPORTS = ["object-store", "nixl", "straw"]
 #: A separately installable transport built on the plugin interface; the suite and the e2e sessions run its tests.
 CONTRIB_TRANSPORT = "contrib/slime-safetensors-transport"
+#: Experiment-tracker plugins (observers, off unless --use-tensorboard / --use-wandb); the suite and e2e run their
+#: tests. Installed with their dependencies (tensorboardX, wandb; tensorboard for reading events back in tests).
+CONTRIB_TRACKERS = ("contrib/slime-tensorboard[test]", "contrib/slime-wandb[test]")
 
 
 def _install(session: nox.Session, extras: str = "cpu,test") -> None:
@@ -33,9 +36,12 @@ def _install(session: nox.Session, extras: str = "cpu,test") -> None:
 
 
 def _install_suite(session: nox.Session) -> None:
-    """The project with the sglang-router extra (its tests run) and the contrib transport (its tests run)."""
+    """The project with the sglang-router extra (its tests run), the contrib transport and the contrib trackers (their
+    tests run). The trackers' dependencies come in with them; the machine's torch stays (nothing they need asks
+    for another)."""
     _install(session, "cpu,test,router,math")
     session.install("--no-deps", "-e", CONTRIB_TRANSPORT)
+    session.install(*(argument for tracker in CONTRIB_TRACKERS for argument in ("-e", tracker)))
 
 
 def _run_suite(session: nox.Session, markers: str, *options: str) -> None:

@@ -50,6 +50,8 @@ FOREIGN_FLAGS = {
     # the option-table helper subprocess of slime.plugins.sglang_engine.server_args
     "--check",
     "--table",
+    # `tensorboard --logdir` (docs/trackers.md)
+    "--logdir",
     # "--sglang-<name>": the placeholder of every SGLang option
     "--sglang",
 }
