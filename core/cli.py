@@ -4,6 +4,7 @@ slime-run [--plugin NAME ...] [run options]     train (see `slime-run --help`)
 slime-run plugins [--plugin NAME ...]           list loaded plugins, versions, hooks and what each provides
 slime-run archive show PATH [--export OUT.pt]   inspect a `*.straw.json` debug archive
 slime-run runs [audit] DIR [--json]             inspect a save directory's branches and commits; audit its lineage
+slime-run export SAVE_DIR [--step N] OUT        copy a checkpoint to OUT as a Hugging Face model directory
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from slime.runs_cli import run_runs_cli
 
             return run_runs_cli(argv[1:])
+        if argv and argv[0] == "export":
+            from slime.export_cli import run_export_cli
+
+            return run_export_cli(argv[1:])
         request_ray_token_auth()
         from slime.train import main as train_main
 

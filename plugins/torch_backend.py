@@ -49,8 +49,6 @@ from slime.weight_sync import WeightUpdate, send_weights
 
 logger = logging.getLogger(__name__)
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-
 
 class TorchTrainRayActor:
     """One training rank (a `slime.backend_interfaces.TrainBackend`). Call `init` once, then `train`,
@@ -378,8 +376,9 @@ class TorchTrainRayActor:
     # ------------------------------------------------------------ checkpoints
 
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
-        """Write `<save>/iter_<rollout_id:07d>/` atomically, then the tracker (`force_sync`: saves are always
-        synchronous here; the argument is accepted for the group's calling convention)."""
+        """Write `<save>/iter_<rollout_id:07d>/` atomically, then the tracker, then with `--save-hf` its Hugging Face
+        part to that directory (`force_sync`: saves are always synchronous here; the argument is accepted for the
+        group's calling convention)."""
         if not self.settings.save:
             raise ValueError("save_model needs --save (the checkpoint directory)")
         root = Path(self.settings.save)
@@ -421,6 +420,25 @@ class TorchTrainRayActor:
             if error is not None:
                 raise RuntimeError(f"saving {ckpt.iter_dir(root, rollout_id)} failed: {error}") from error
             raise RuntimeError(f"saving {ckpt.iter_dir(root, rollout_id)} failed on another rank")
+        if self.settings.save_hf:
+            self._save_hf(ckpt.iter_dir(root, rollout_id), rollout_id)
+
+    def _save_hf(self, checkpoint: Path, rollout_id: int) -> None:
+        """`--save-hf`: rank 0 copies the Hugging Face part of the just published `checkpoint` (the weights as
+        saved, no second serialization) to the flag's path, `{rollout_id}` replaced, replacing an older directory
+        of that name atomically. Collective, so that every rank raises when it fails."""
+        target = Path(str(self.settings.save_hf).replace("{rollout_id}", str(rollout_id)))
+        error: BaseException | None = None
+        if self.rank == 0:
+            try:
+                ckpt.export_hf_dir(checkpoint, target, replace=True)
+            except BaseException as exc:
+                error = exc
+        if not self._all_ok(error is None):
+            operation = "writing the --save-hf copy of the checkpoint"
+            if error is not None and (storage_error := with_context(error, target, operation, probe=False)):
+                raise storage_error from error
+            raise RuntimeError(f"--save-hf: writing {target} failed: {error or 'on another rank'}") from error
 
     def _write_rank0_checkpoint(
         self,
@@ -430,9 +448,11 @@ class TorchTrainRayActor:
         model_state: dict[str, torch.Tensor],
         optimizer_state: dict[str, Any] | None,
     ) -> None:
-        """The Hugging Face files (float32), the full optimizer state by parameter name (the same file whatever
-        the world size and with or without --fsdp, see `slime.plugins.torch_parallel`) and the schedule."""
+        """The Hugging Face files (float32 weights, and the tokenizer files of `--hf-checkpoint`), the full
+        optimizer state by parameter name (the same file whatever the world size and with or without --fsdp, see
+        `slime.plugins.torch_parallel`) and the schedule."""
         self.model.save_pretrained(staging, state_dict=model_state, safe_serialization=True)
+        ckpt.copy_hf_side_files(self.hf_source, staging)
         if optimizer_state is not None:
             torch.save(optimizer_state, staging / ckpt.OPTIMIZER_FILE)
         torch.save(
@@ -481,10 +501,7 @@ class TorchTrainRayActor:
             if staging.exists():
                 shutil.rmtree(staging)
             self.model.save_pretrained(staging, state_dict=state, safe_serialization=True)
-            for name in TOKENIZER_FILES:
-                source = Path(self.hf_source) / name
-                if source.is_file():
-                    shutil.copyfile(source, staging / name)
+            ckpt.copy_hf_side_files(Path(self.hf_source), staging)
             ckpt.publish_dir(staging, target)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)

@@ -29,6 +29,8 @@ class TrainSettings(Settings):
     save: str | None = option("save")
     no_save_optim: bool = option("no_save_optim", False)
     no_save_rng: bool = option("no_save_rng", False)
+    #: Also copy each checkpoint's Hugging Face files to this directory (`{rollout_id}` is replaced by the step).
+    save_hf: str | None = option("save_hf")
     micro_batch_size: int = option("micro_batch_size", 8, convert=int, minimum=1)
     use_rollout_logprobs: bool = option("use_rollout_logprobs", False)
     #: bfloat16 autocast for every forward pass; weights, gradients and optimizer state stay float32

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from slime.archive_cli import add_archive_parser
+from slime.export_cli import build_export_parser
 from slime.plugin_manager import PluginSelection, build_plugin_manager
 from slime.utils.arguments import build_parser
 
@@ -126,7 +127,7 @@ def _known_options() -> set[str]:
     run = build_parser(build_plugin_manager(PluginSelection()))
     archive = argparse.ArgumentParser(prog="slime-run")
     add_archive_parser(archive.add_subparsers())
-    commands = _option_strings(run) | _option_strings(archive)
+    commands = _option_strings(run) | _option_strings(archive) | _option_strings(build_export_parser())
     return (
         commands
         | _benchmark_options()

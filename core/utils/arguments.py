@@ -344,6 +344,15 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     ckpt.add_argument("--keep-every-checkpoint", type=int, default=None)
     ckpt.add_argument("--no-save-optim", action="store_true")
     ckpt.add_argument("--no-save-rng", action="store_true")
+    ckpt.add_argument(
+        "--save-hf",
+        default=None,
+        metavar="DIR",
+        help="with every checkpoint also write the model as a Hugging Face directory here ({rollout_id} is "
+        "replaced by the step; an older directory of that name is replaced): config, weights and tokenizer files "
+        "that AutoModelForCausalLM and AutoTokenizer load. Torch and megatron backends (megatron: gathered from "
+        "all tensor- and pipeline-parallel ranks)",
+    )
     ckpt.add_argument("--no-load-optim", action="store_true")
     ckpt.add_argument("--no-load-rng", action="store_true")
     ckpt.add_argument(

@@ -113,9 +113,3 @@ def slime_addoption(parser: Any) -> None:
         action="store_true",
         help="shard the optimizer state and fp32 master weights across data-parallel ranks",
     )
-    group.add_argument(
-        "--save-hf",
-        default=None,
-        help="with every checkpoint also write the model as a Hugging Face directory here ({rollout_id} is "
-        "replaced by the step), gathered from all tensor- and pipeline-parallel ranks",
-    )
