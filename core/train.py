@@ -50,6 +50,7 @@ from slime.ray.settings import DriverSettings, InputSettings, check_run_settings
 from slime.storage_errors import fault_message, storage_fault
 from slime.utils.arguments import parse_args
 from slime.utils.hf_checkpoint import validate_hf_checkpoint_dir
+from slime.utils.hub_checkpoint import looks_like_hub_id, resolve_hf_checkpoint
 from slime.utils.misc import should_run_periodic_action
 
 if TYPE_CHECKING:
@@ -170,6 +171,16 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
     ray.get(rollout_manager.dispose.remote())
 
 
+def fetch_hub_model(args: Any) -> None:
+    """A Hugging Face Hub id in `--hf-checkpoint` becomes its local snapshot directory, fetched (or found in the
+    cache) now, before any plugin or actor reads the model; ValueError naming the flag when the Hub cannot serve
+    it. A local directory is left as it is."""
+    model = InputSettings.from_args(args).hf_checkpoint
+    if model and looks_like_hub_id(model):
+        args.hf_checkpoint = str(resolve_hf_checkpoint(model))
+        logger.info("--hf-checkpoint %s: %s", model, args.hf_checkpoint)
+
+
 def check_run_inputs(args: Any) -> None:
     """Fail on a bad `--hf-checkpoint` directory, `--prompt-data` or `--eval-prompt-data` file before any Ray
     actor starts.
@@ -217,6 +228,10 @@ def _run(args: Any) -> int:
     args, restore_plan = run_transport(args).resolve_restore()
     # Settle storage paths once here, so checkpoints record them and every actor sees the same ones.
     run_transport(args).prepare_storage()
+    try:
+        fetch_hub_model(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
     _Observers(args.plugin_selection).call("slime_run_start", args=args)
     try:
         check_run_inputs(args)

@@ -82,7 +82,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     rollout = parser.add_argument_group("rollout")
-    rollout.add_argument("--hf-checkpoint", default=None, help="HF model directory (default: the built-in tiny model)")
+    rollout.add_argument(
+        "--hf-checkpoint",
+        default=None,
+        help="a Hugging Face model directory, or a Hub id (owner/name) fetched into the Hugging Face cache at start-up "
+        "(found there when the Hub is unreachable); default: the built-in tiny model",
+    )
     rollout.add_argument("--prompt-data", default=None, help="JSONL or Parquet prompts")
     rollout.add_argument("--input-key", default="input")
     rollout.add_argument("--label-key", default=None)
