@@ -149,9 +149,13 @@ def slime_run_start(args: argparse.Namespace) -> None:
 
 
 @hookspec
-def slime_after_rollout(args: argparse.Namespace, rollout_id: int, metrics: dict[str, Any]) -> None:
+def slime_after_rollout(
+    args: argparse.Namespace, rollout_id: int, metrics: dict[str, Any], samples: list[dict[str, Any]]
+) -> None:
     """Observer: a rollout step's data was generated and accepted; `metrics` holds what the rollout manager
-    logged for it (`rollout/reward`, `rollout/response_length`, phase times, ...). Called by the driver."""
+    logged for it (`rollout/reward`, `rollout/response_length`, phase times, ...) and `samples` a few of its
+    answers, one per group for the first groups: `{"group", "prompt", "response", "reward"}` (for sample tables).
+    Called by the driver; an implementation may leave out the arguments it does not read."""
 
 
 @hookspec

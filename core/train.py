@@ -123,8 +123,9 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
             evaluate(rollout_id)
 
         rollout_data_ref = ray.get(rollout_manager.generate.remote(rollout_id))
-        rollout_metrics = ray.get(rollout_manager.rollout_metrics.remote()) if observers.active else {}
-        observers.call("slime_after_rollout", args=args, rollout_id=rollout_id, metrics=rollout_metrics)
+        if observers.active:
+            report = ray.get(rollout_manager.rollout_report.remote())
+            observers.call("slime_after_rollout", args=args, rollout_id=rollout_id, **report)
         if settings.release_train:
             actor_model.create(rollout_manager)
             if critic_model is not None:

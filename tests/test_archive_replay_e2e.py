@@ -44,7 +44,14 @@ def test_archived_run_replays_identical_training_batches(tmp_path: Path) -> None
         template,
         cwd=tmp_path,
     )
-    assert sorted(p.name for p in dumps.iterdir()) == ["0.straw.json", "1.straw.json"]
+    # One archive per training step, and one of the demo's evaluation before step 0 (eval samples never reach
+    # the run's pool, so that archive keeps them in a pool of its own, straw-data/).
+    assert sorted(p.name for p in dumps.iterdir()) == [
+        "0.straw.json",
+        "1.straw.json",
+        "eval_0.straw.json",
+        "straw-data",
+    ]
     live = _train_metrics(run)
     commits = sorted(p.name for p in (run / "rollout").glob("committed_*.json"))
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from slime.plugins.demo import demo_eval_files, demo_settings
 from slime.ray.router import sglang_router_available
 from slime.utils.external_utils.slime_run_process import SlimeRunProcess
 
@@ -109,8 +110,11 @@ def test_a_run_sends_its_rollout_requests_through_sglang_router(tmp_path: Path) 
     router_log = (save / "logs" / "sglang-router.log").read_text(errors="replace")
     routed = re.search(r"slime-rl: sglang-router at http://\S+ routed (\d+) /generate requests", router_log)
     assert routed, router_log[-3000:]
-    assert (
-        int(routed.group(1))
-        == sum(line["rollout/num_samples"] for line in metrics.values())
-        == (NUM_ROLLOUT * BATCH * PER_PROMPT)
-    )
+    trained = sum(line["rollout/num_samples"] for line in metrics.values())
+    assert trained == NUM_ROLLOUT * BATCH * PER_PROMPT
+    # The demo also evaluates before step 0: every prompt of its eval splits, n_samples_per_eval_prompt times.
+    settings = demo_settings(save)
+    eval_prompts = sum(len(path.read_text().splitlines()) for path in demo_eval_files(save).values())
+    evaluated = eval_prompts * settings["n_samples_per_eval_prompt"]
+    assert evaluated > 0
+    assert int(routed.group(1)) == trained + evaluated

@@ -53,6 +53,8 @@ FOREIGN_FLAGS = {
     "--table",
     # `tensorboard --logdir` (docs/trackers.md)
     "--logdir",
+    # `hf download ID --local-dir DIR` (the fix slime.utils.hub_checkpoint suggests when the Hub is unreachable)
+    "--local-dir",
     # "--sglang-<name>": the placeholder of every SGLang option
     "--sglang",
 }

@@ -221,3 +221,18 @@ def test_failed_construction_closes_the_controller_it_created(monkeypatch, tmp_p
     with pytest.raises(ModuleNotFoundError, match="missing.rollout"):
         Manager(args, None)
     assert calls == ["close", ("kill", True)]
+
+
+def test_rollout_examples_are_the_first_answer_of_the_first_groups():
+    args = SimpleNamespace(reward_key=None)
+    samples = [
+        Sample(group_index=group, index=2 * group + i, prompt=f"p{group}", response=f"r{group}.{i}", reward=float(i))
+        for group in (5, 1, 3, 0, 2)
+        for i in range(2)
+    ]
+    rows = logging_utils.rollout_examples(samples, args, groups=3)
+    assert rows == [
+        {"group": group, "prompt": f"p{group}", "response": f"r{group}.0", "reward": 0.0} for group in (0, 1, 2)
+    ]
+    chat = Sample(group_index=0, prompt=[{"role": "user", "content": "hi"}], response="x", reward=1.0)
+    assert logging_utils.rollout_examples([chat], args)[0]["prompt"] == '[{"role": "user", "content": "hi"}]'

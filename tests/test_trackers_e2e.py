@@ -31,6 +31,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 NUM_ROLLOUT = 4
 KILL_AFTER_COMMIT = 2
 RUN_TIMEOUT_S = 240
+#: Steps 0 and 2 log a sample table (step 2 in the killed run, which the rerun keeps: it resumes at step 3).
+LOG_INTERVAL = 2
 #: Metrics the driver reports after a step's commit is on disk: a kill right after the commit may come first.
 REPORTED_BY_THE_DRIVER = ("checkpoint/committed", "perf/step_time")
 
@@ -40,6 +42,7 @@ def _argv(save: Path) -> list[str]:
         *("--plugin", "straw", "--plugin", "tensorboard", "--plugin", "wandb"),
         *("--use-tensorboard", "--use-wandb", "--wandb-mode", "offline"),
         *("--num-rollout", str(NUM_ROLLOUT), "--save-interval", "1", "--eval-interval", "2", "--save", str(save)),
+        *("--log-interval", str(LOG_INTERVAL)),
     ]
 
 
@@ -97,11 +100,20 @@ def test_trackers_continue_one_run_across_a_kill_without_duplicate_steps(tmp_pat
     for tag in eval_tags:
         assert {event.step for event in accumulator.Scalars(tag)} <= set(range(NUM_ROLLOUT)), tag
 
+    samples = accumulator.Tensors("rollout/samples/text_summary")
+    assert [event.step for event in samples] == [0, 2]
+    table = samples[0].tensor_proto.string_val[0].decode()
+    assert table.startswith("| step | group | prompt | response | reward |"), table
+    assert len(table.splitlines()) == 2 + 4, "a header, its rule, the first answer of the first 4 groups"
+
     run_id = read_run_file(save / "wandb_run.json")["run_id"]
     assert len(offline_run_files(save / "wandb", run_id)) == 2, "one offline segment per start, one run id"
     rows = history(save / "wandb", run_id)
     for key in ("rollout/reward", "train/loss", *REPORTED_BY_THE_DRIVER):
         counts = Counter(row["rollout_step"] for row in rows if key in row)
         assert counts == dict.fromkeys(sorted(_latest_metric(save, key)), 1), (key, counts)
+    tables = [row for row in rows if row.get("rollout/samples/_type") == "table-file"]
+    assert [row["rollout_step"] for row in tables] == [0, 2]
+    assert all(row["rollout/samples/nrows"] == 4 for row in tables), "the first answer of the first 4 groups"
     by_step = {row["rollout_step"]: row["rollout/reward"] for row in rows if "rollout/reward" in row}
     assert by_step == pytest.approx(rewards)

@@ -18,6 +18,9 @@ from slime.ray.rollout import RolloutManager
 
 TRAIN_PY = Path(__file__).parents[1] / "train.py"
 
+#: One row of the rollout report's `samples` (what `rollout_examples` returns).
+EXAMPLE_ROW = {"group": 0, "prompt": "copy: ab", "response": "ab", "reward": 1.0}
+
 
 def _manager(log: list, fail_generate_at: int | None = None, **behaviours):
     """The rollout manager's handle, recording into `log` as "manager.<method>"; admission reports paused."""
@@ -30,7 +33,7 @@ def _manager(log: list, fail_generate_at: int | None = None, **behaviours):
     behaviours = {
         "generate": generate,
         "pause_rollout_admission": True,
-        "rollout_metrics": {"rollout/reward": 0.25},
+        "rollout_report": {"metrics": {"rollout/reward": 0.25}, "samples": [EXAMPLE_ROW]},
         "eval": {"eval/held-out/reward": 0.5},
         **behaviours,
     }
@@ -206,8 +209,8 @@ def test_observer_hooks_are_called_with_the_run_plugins(train_module, monkeypatc
     plugin = types.ModuleType("slime_test_train_observer")
 
     @hookimpl
-    def slime_after_rollout(args, rollout_id, metrics):
-        seen.append(("rollout", rollout_id, metrics))
+    def slime_after_rollout(args, rollout_id, metrics, samples):
+        seen.append(("rollout", rollout_id, metrics, samples))
 
     @hookimpl
     def slime_after_train_step(args, rollout_id, metrics):
@@ -225,7 +228,11 @@ def test_observer_hooks_are_called_with_the_run_plugins(train_module, monkeypatc
     _wire(train_module, monkeypatch, log)
     args = _args(num_rollout=1, plugin_selection=PluginSelection(plugins=(plugin.__name__,), autoload=False))
     train_module.train(args, {}, _manager(log), None, None)
-    assert seen == [("rollout", 0, {"rollout/reward": 0.25}), ("train", 0, 0.5), ("commit", 0, "/unused")]
+    assert seen == [
+        ("rollout", 0, {"rollout/reward": 0.25}, [EXAMPLE_ROW]),
+        ("train", 0, 0.5),
+        ("commit", 0, "/unused"),
+    ]
 
 
 def test_joint_commit_records_the_weights_that_generated_the_step(train_module, monkeypatch, tmp_path):

@@ -135,6 +135,27 @@ def log_rollout_data(rollout_id: int, args: Any, samples: list, metrics: dict | 
     return record
 
 
+#: Groups of a step whose first answer `rollout_examples` shows to observers (sample tables).
+EXAMPLE_GROUPS = 4
+
+
+def rollout_examples(samples: list, args: Any, groups: int = EXAMPLE_GROUPS) -> list[dict[str, Any]]:
+    """The first answer of each of the first `groups` groups (by group index): prompt, response and reward."""
+    first: dict[Any, Any] = {}
+    for sample in samples:
+        first.setdefault(sample.group_index, sample)
+    chosen = sorted(first.items(), key=lambda item: (item[0] is None, item[0] if item[0] is not None else 0))
+    return [
+        {
+            "group": group,
+            "prompt": sample.prompt if isinstance(sample.prompt, str) else json.dumps(sample.prompt, default=str),
+            "response": sample.response,
+            "reward": sample.get_reward_value(args),
+        }
+        for group, sample in chosen[:groups]
+    ]
+
+
 def log_eval_rollout_data(rollout_id: int, args: Any, data: dict, metrics: dict | None) -> dict[str, Any]:
     """Log every evaluation dataset's metrics (`data[name]` holds its "rewards" and, from the built-in eval
     rollout, its scored "samples": `eval/<name>/reward`, and pass@k when prompts were sampled more than once)

@@ -36,7 +36,13 @@ from slime.engine_control import (
 )
 from slime.interfaces import Transport, rollout_session_scope, run_transport
 from slime.observability import logging_utils
-from slime.observability.logging_utils import configure_logger, init_tracking, log_eval_rollout_data, log_rollout_data
+from slime.observability.logging_utils import (
+    configure_logger,
+    init_tracking,
+    log_eval_rollout_data,
+    log_rollout_data,
+    rollout_examples,
+)
 from slime.observability.phase_timer import PhaseTimer
 from slime.observability.rollout_data_utils import (
     load_debug_rollout_data,
@@ -72,6 +78,8 @@ class RolloutManager:
     eval_data: Any = None
     #: What `log_rollout_data` logged for the last generated step (empty before the first).
     _rollout_metrics: Mapping[str, Any] = MappingProxyType({})
+    #: A few of the last generated step's answers (`rollout_examples`), for the driver's observers.
+    _rollout_examples: tuple[dict[str, Any], ...] = ()
 
     def __init__(
         self, args: Any, pg: Any, *, restore_plan: Any = None, serving: Any = None, deployment: Any = None
@@ -234,10 +242,10 @@ class RolloutManager:
         )
         return log_eval_rollout_data(rollout_id, args, result.data, result.metrics) or {}
 
-    def rollout_metrics(self) -> dict[str, Any]:
-        """The metrics logged for the last generated step (reward, lengths, phase times), for the driver's
-        observers."""
-        return dict(self._rollout_metrics)
+    def rollout_report(self) -> dict[str, Any]:
+        """For the driver's observers: `metrics`, what was logged for the last generated step (reward, lengths,
+        phase times), and `samples`, a few of its answers (`rollout_examples`)."""
+        return {"metrics": dict(self._rollout_metrics), "samples": [dict(row) for row in self._rollout_examples]}
 
     def _generate(self, rollout_id: int, start_time: float) -> Any:
         """Generate, convert and store one step; its rollout metrics line carries the phase times."""
@@ -259,6 +267,7 @@ class RolloutManager:
         self._rollout_metrics = log_rollout_data(
             rollout_id, args, data, {**(metrics or {}), **timer.metrics()}, time.time() - start_time
         )
+        self._rollout_examples = tuple(rollout_examples(data, args))
         return result
 
     def _build_batch(self, data: list, timer: PhaseTimer) -> Any:

@@ -403,7 +403,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default=10,
         metavar="N",
         help="every N steps the progress bar prints one summary line: the interval's mean reward and step time, "
-        "the last train loss, grad norm and entropy, the last commit",
+        "the last train loss, grad norm and entropy, the last commit; tracker plugins log a table of sample "
+        "answers at the same steps",
     )
     console.add_argument(
         "--verbose",

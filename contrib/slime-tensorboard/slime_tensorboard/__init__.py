@@ -4,8 +4,9 @@ All hooks run in the driver (the `slime-run` process). Each scalar is written at
 metrics (`rollout/*`), the trainers' metrics (`train/*`, a bare name prefixed with `train/` as the built-in
 report does), evaluation metrics (`eval/<name>/*`), the driver's phase times (`perf/*`) and committed
 checkpoints (`checkpoint/committed`). The run's configuration is a text summary `config` (JSON) at the run's
-first step. Events are written and flushed at every hook call (a killed run keeps what it logged) and the writer is
-closed at the last step.
+first step; every `--log-interval` steps a few of the step's answers are the markdown text summary
+`rollout/samples` (step, group, prompt, response, reward). Events are written and flushed at every hook call (a
+killed run keeps what it logged) and the writer is closed at the last step.
 
 Resume: a rerun of a killed run starts at `args.start_rollout_id` (its last commit + 1) and trains the steps
 after that commit again. The writer reopens the same directory with `purge_step=start_rollout_id`: TensorBoard
@@ -150,6 +151,17 @@ class TensorboardTracker:
             self._write(Event(step=step, summary=summary))
             self.flush()  # each hook's events reach the file at once: a killed run keeps what it logged
 
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """A few of the step's answers as the markdown text summary `rollout/samples`."""
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import text
+
+        from slime.observability.sample_tables import as_markdown
+
+        if samples:
+            self._write(Event(step=step, summary=text("rollout/samples", as_markdown(step, samples))))
+            self.flush()
+
     def flush(self) -> None:
         self.events.flush()
 
@@ -207,8 +219,17 @@ def close(args: argparse.Namespace | None = None) -> None:
 
 
 @hookimpl
-def slime_after_rollout(args: argparse.Namespace, rollout_id: int, metrics: dict[str, Any]) -> None:
-    _guarded(args, lambda t: t.log(rollout_id, scalars(metrics)))
+def slime_after_rollout(
+    args: argparse.Namespace, rollout_id: int, metrics: dict[str, Any], samples: list[dict[str, Any]]
+) -> None:
+    from slime.observability.sample_tables import table_due
+
+    def log(tracker: TensorboardTracker) -> None:
+        tracker.log(rollout_id, scalars(metrics))
+        if table_due(args, rollout_id):
+            tracker.log_samples(rollout_id, samples)
+
+    _guarded(args, log)
 
 
 @hookimpl

@@ -31,8 +31,16 @@ def _args(tmp_path: Path, start: int = 0, num_rollout: int = 4, **extra: Any) ->
     return args
 
 
+def _samples(step: int) -> list[dict[str, Any]]:
+    """What the driver passes: `rollout_examples` rows (a `|` and a newline in a cell, as answers can hold)."""
+    return [
+        {"group": group, "prompt": f"copy: ab{group}", "response": f"ab|{step}\n", "reward": 1.0} for group in (0, 1)
+    ]
+
+
 def _step(args: argparse.Namespace, step: int, reward: float) -> None:
-    tb.slime_after_rollout(args, step, {"rollout/reward": reward, "rollout/response_length": 3, "note": "x"})
+    metrics = {"rollout/reward": reward, "rollout/response_length": 3, "note": "x"}
+    tb.slime_after_rollout(args, step, metrics, _samples(step))
     tb.slime_after_train_step(args, step, {"loss": reward / 10, "grad_norm": 1.0, "flag": True})
     tb.slime_checkpoint_committed(args, step, "/ckpt")
     tb.slime_step_end(args, step, {"perf/step_time": 0.5})
@@ -138,3 +146,16 @@ def test_the_flags_parse_through_slime_run(tmp_path: Path) -> None:
     assert args.tensorboard_dir == str((tmp_path / "s" / "tensorboard").resolve())
     with pytest.raises((ValueError, SystemExit)):
         parse_args(["--use-tensorboard", "--prompt-data", "p", "--rollout-data-transport", "object-store"])
+
+
+def test_sample_tables_every_log_interval_steps(tmp_path: Path) -> None:
+    args = _args(tmp_path, num_rollout=5, log_interval=2)
+    for step in range(5):
+        _step(args, step, reward=0.5)
+    accumulator = event_accumulator.EventAccumulator(args.tensorboard_dir, size_guidance={"tensors": 0})
+    accumulator.Reload()
+    events = accumulator.Tensors("rollout/samples/text_summary")
+    assert [event.step for event in events] == [0, 2, 4]
+    table = events[1].tensor_proto.string_val[0].decode().splitlines()
+    assert table[0] == "| step | group | prompt | response | reward |"
+    assert table[2:] == ["| 2 | 0 | copy: ab0 | ab\\|2\\n | 1.0 |", "| 2 | 1 | copy: ab1 | ab\\|2\\n | 1.0 |"]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 from collections import Counter
@@ -39,8 +40,16 @@ def _args(tmp_path: Path, start: int = 0, num_rollout: int = 4, **overrides: Any
     return args
 
 
+def _samples(step: int) -> list[dict[str, Any]]:
+    """What the driver passes: `rollout_examples` rows (a `|` and a newline in a cell, as answers can hold)."""
+    return [
+        {"group": group, "prompt": f"copy: ab{group}", "response": f"ab|{step}\n", "reward": 1.0} for group in (0, 1)
+    ]
+
+
 def _step(args: argparse.Namespace, step: int, reward: float) -> None:
-    sw.slime_after_rollout(args, step, {"rollout/reward": reward, "rollout/response_length": 3, "note": "x"})
+    metrics = {"rollout/reward": reward, "rollout/response_length": 3, "note": "x"}
+    sw.slime_after_rollout(args, step, metrics, _samples(step))
     sw.slime_after_train_step(args, step, {"loss": reward / 10, "grad_norm": 1.0})
     sw.slime_checkpoint_committed(args, step, "/ckpt")
     sw.slime_step_end(args, step, {"perf/step_time": 0.5})
@@ -80,7 +89,7 @@ def test_a_resumed_run_continues_the_same_run_without_duplicate_steps(tmp_path: 
     killed = _args(tmp_path, num_rollout=6)
     for step in range(3):  # committed up to step 1, then step 2 logged ...
         _step(killed, step, reward=100 + step)
-    sw.slime_after_rollout(killed, 3, {"rollout/reward": 103.0})  # ... and step 3's rollout before the kill
+    sw.slime_after_rollout(killed, 3, {"rollout/reward": 103.0}, [])  # ... and step 3's rollout before the kill
     sw.close()
     first_id = sw.read_run_file(Path(killed.wandb_run_file))["run_id"]
     time.sleep(1.1)  # wandb names a segment's directory by the second it started (a real rerun takes longer)
@@ -166,3 +175,19 @@ def test_the_flags_parse_through_slime_run(tmp_path: Path) -> None:
     args = parse_args(["--use-wandb", "--wandb-mode", "offline", "--save", str(tmp_path / "s"), "--prompt-data", "p"])
     assert args.wandb_dir == str((tmp_path / "s" / "wandb").resolve())
     assert args.wandb_run_file == str((tmp_path / "s" / "wandb_run.json").resolve())
+
+
+def test_sample_tables_every_log_interval_steps(tmp_path: Path) -> None:
+    args = _args(tmp_path, num_rollout=5, log_interval=2)
+    for step in range(5):
+        _step(args, step, reward=0.5)
+    run_id = sw.read_run_file(Path(args.wandb_run_file))["run_id"]
+    rows = history(Path(args.wandb_dir), run_id)
+    # wandb records a table as a file reference, its fields flattened into the row as `rollout/samples/<field>`.
+    tables = [row for row in rows if row.get("rollout/samples/_type") == "table-file"]
+    assert [row["rollout_step"] for row in tables] == [0, 2, 4]
+    assert all(row["rollout/samples/nrows"] == 2 for row in tables)
+    (run_dir,) = Path(args.wandb_dir).glob(f"wandb/offline-run-*-{run_id}")
+    content = json.loads((run_dir / "files" / tables[1]["rollout/samples/path"]).read_text())
+    assert content["columns"] == ["step", "group", "prompt", "response", "reward"]
+    assert content["data"] == [[2, 0, "copy: ab0", "ab|2\n", 1.0], [2, 1, "copy: ab1", "ab|2\n", 1.0]]
