@@ -31,7 +31,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from slime.data.checkpoint import save_checkpoint
-from slime.data.data_source import prompt_record_keys, read_prompt_records
+from slime.data.data_source import RolloutDataSource
 from slime.data.eval_data import read_eval_records
 from slime.data.run_lock import hold_save_directory
 from slime.determinism import check_reproducible_resume
@@ -193,7 +193,8 @@ def check_run_inputs(args: Any) -> None:
     if inputs.hf_checkpoint:
         validate_hf_checkpoint_dir(inputs.hf_checkpoint)
     if inputs.prompt_data and inputs.data_source in PROMPT_FILE_SOURCES:
-        read_prompt_records(inputs.prompt_data, required_keys=prompt_record_keys(args))
+        # The data source's own reading, rows converted to Samples included (bad tools, bad metadata fail here).
+        RolloutDataSource(args)
     read_eval_records(args)
 
 

@@ -78,7 +78,11 @@ def test_initial_configuration_records_the_parsed_values_under_the_flags_names(p
     """`rollout/branch.json` of a run interrupted before its first commit, written by any version, still matches."""
     args = parser.parse_args(["--prompt-data", "p.jsonl", "--rollout-seed", "7", "--rollout-shuffle"])
     record = InitialConfiguration.from_args(args).record()
-    assert record == {dest: getattr(args, dest) for dest in record}
+    # --prompt-data takes several values now; a single one is recorded as the string it always was.
+    assert record["prompt_data"] == "p.jsonl"
+    assert record == {dest: getattr(args, dest) for dest in record if dest != "prompt_data"} | {
+        "prompt_data": "p.jsonl"
+    }
     assert set(record) == {
         "hf_checkpoint",
         "prompt_data",
@@ -95,6 +99,12 @@ def test_initial_configuration_records_the_parsed_values_under_the_flags_names(p
         "custom_rm_path",
         "rollout_queue_run_id",
     }
+    mixture = parser.parse_args(
+        ["--prompt-data", "a.jsonl:0.7", "b.jsonl:0.3", "--apply-chat-template-kwargs", '{"enable_thinking": false}']
+    )
+    recorded = InitialConfiguration.from_args(mixture).record()
+    assert recorded["prompt_data"] == "a.jsonl:0.7 b.jsonl:0.3"
+    assert recorded["apply_chat_template_kwargs"] == '{"enable_thinking": false}'
 
 
 def test_checkpoint_settings_say_what_saves_and_restores_hold():

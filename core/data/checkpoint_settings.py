@@ -13,7 +13,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from slime.data.prompt_sources import chat_template_kwargs_text, prompt_data_text
 from slime.utils.settings import Settings, option, options_from_args
+
+#: `InitialConfiguration` fields recorded only when set (see `record`).
+ADDED_LATER = frozenset({"prompt_data_split", "apply_chat_template_kwargs"})
 
 
 @dataclass(frozen=True)
@@ -24,12 +28,14 @@ class InitialConfiguration(Settings):
     """
 
     hf_checkpoint: str | None = option("hf_checkpoint")
-    prompt_data: str | None = option("prompt_data")
+    prompt_data: str | None = option("prompt_data", convert=prompt_data_text)
+    prompt_data_split: str | None = option("prompt_data_split")
     input_key: str = option("input_key", "input")
     label_key: str | None = option("label_key")
     metadata_key: str = option("metadata_key", "metadata")
     tool_key: str | None = option("tool_key")
     apply_chat_template: bool = option("apply_chat_template", False)
+    apply_chat_template_kwargs: str | None = option("apply_chat_template_kwargs", convert=chat_template_kwargs_text)
     n_samples_per_prompt: int = option("n_samples_per_prompt", 4)
     rollout_seed: int = option("rollout_seed", 42)
     rollout_shuffle: bool = option("rollout_shuffle", False)
@@ -39,8 +45,9 @@ class InitialConfiguration(Settings):
     rollout_queue_run_id: str | None = option("rollout_queue_run_id")
 
     def record(self) -> dict[str, Any]:
-        """`{flag destination: value}`, as `rollout/branch.json` records it."""
-        return asdict(self)
+        """`{flag destination: value}`, as `rollout/branch.json` records it; the flags added after the first
+        release are left out while unset, so a branch file written before they existed still matches."""
+        return {name: value for name, value in asdict(self).items() if not (name in ADDED_LATER and value is None)}
 
 
 @dataclass(frozen=True)

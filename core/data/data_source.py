@@ -1,8 +1,9 @@
 """Prompt data sources: the dataset of prompts a run samples groups from, with a resumable cursor.
 
-`RolloutDataSource` reads `--prompt-data` (JSONL, or Parquet with pyarrow) once, yields groups of
-`--n-samples-per-prompt` Samples per prompt in order (shuffled per epoch with `--rollout-seed` when
-`--rollout-shuffle`), wraps around epochs, and saves its cursor with each checkpoint as
+`RolloutDataSource` reads `--prompt-data` once (JSONL, Parquet, a `datasets` directory or Hub id, or a weighted
+mixture of them: `slime.data.prompt_sources`), yields groups of `--n-samples-per-prompt` Samples per prompt in
+order (shuffled per epoch with `--rollout-seed` when `--rollout-shuffle`; a mixture's epochs laid out by
+`mixture_epoch`), wraps around epochs, and saves its cursor with each checkpoint as
 `<save>/rollout/global_dataset_state_dict_<id>.pt`. `RolloutDataSourceWithBuffer` adds a buffer of groups
 handed back (`add_samples`, e.g. aborted generations) that is served before new prompts. Each source reads
 one `PromptSettings` built from the arguments it is constructed with.
@@ -15,11 +16,11 @@ import json
 import os
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from slime.data.prompt_settings import PromptSettings
+from slime.data.prompt_sources import mixture_epoch, read_prompt_records
 from slime.utils.atomic_files import write_atomically
 from slime.utils.types import Sample
 
@@ -46,73 +47,34 @@ class DataSource(ABC):
         """Restore the cursor saved with checkpoint `rollout_id`."""
 
 
-_JSONL_FIX = 'each non-empty line of a JSONL prompt file must be one JSON object, e.g. {"input": "...", "label": "..."}'
-
-
-def prompt_record_keys(args: Any) -> dict[str, str]:
-    """The fields every prompt row of the run must have, each with the flag that names it."""
-    return PromptSettings.from_args(args).record_keys()
-
-
-def _check_record(record: Any, where: str, required_keys: Mapping[str, str]) -> dict:
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: the row is a JSON {type(record).__name__}, not an object; {_JSONL_FIX}")
-    for key, flag in required_keys.items():
-        if key not in record:
-            raise KeyError(
-                f"{where}: the row has no {key!r} field ({flag} {key}); its fields are {sorted(record)}. "
-                f"Add the field to every row, or pass {flag} with the field that holds it"
-            )
-    return record
-
-
-def read_prompt_records(
-    path: str | os.PathLike, *, required_keys: Mapping[str, str] | None = None, source: str = "--prompt-data"
-) -> list[dict]:
-    """Rows of a JSONL or Parquet prompt file; `required_keys` maps each field every row needs to its flag.
-
-    Errors name `source` (the flag that gave the file), the file, the line (JSONL) or row (Parquet), what is
-    wrong and the fix.
-    """
-    path = Path(path).expanduser()
-    required_keys = dict(required_keys or {})
-    if not path.is_file():
-        raise FileNotFoundError(f"{source} {path} does not exist")
-    if path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ModuleNotFoundError as exc:
-            raise ModuleNotFoundError(f"Reading {path} needs pyarrow: pip install pyarrow", name="pyarrow") from exc
-        rows = pq.read_table(path).to_pylist()
-        records = [_check_record(row, f"{path} row {number}", required_keys) for number, row in enumerate(rows, 1)]
-    else:
-        records = []
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(
-                        f"{path}:{number}: not valid JSON ({exc.msg} at column {exc.colno}); {_JSONL_FIX}"
-                    ) from exc
-                records.append(_check_record(record, f"{path}:{number}", required_keys))
-    if not records:
-        raise ValueError(f"{source} {path} holds no prompts")
-    return records
-
-
 def record_to_sample(record: dict, settings: PromptSettings) -> Sample:
-    """The Sample of one prompt row (prompt, label and metadata read with the run's field flags)."""
+    """The Sample of one prompt row (prompt, label, metadata and, with `--tool-key`, the tools its chat template
+    is rendered with, kept as `metadata["tools"]`), read with the run's field flags."""
     prompt = record[settings.input_key]
     if settings.apply_chat_template and isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     metadata = record.get(settings.metadata_key) or {}
     if isinstance(metadata, str):
         metadata = json.loads(metadata)
+    metadata = dict(metadata)
+    if settings.tool_key:
+        tools = record.get(settings.tool_key)
+        if isinstance(tools, str):
+            tools = json.loads(tools) if tools.strip() else None
+        if tools:
+            if not (isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools)):
+                raise ValueError(
+                    f"--tool-key {settings.tool_key}: a row's tools must be a list of JSON objects (function "
+                    f"schemas), got {type(tools).__name__}"
+                )
+            if isinstance(prompt, str):
+                raise ValueError(
+                    f"--tool-key {settings.tool_key}: tools are rendered by the chat template, but the prompt is "
+                    "plain text; add --apply-chat-template (or give prompts as chat messages)"
+                )
+            metadata["tools"] = tools
     label = record.get(settings.label_key) if settings.label_key else None
-    return Sample(prompt=prompt, label=None if label is None else str(label), metadata=dict(metadata))
+    return Sample(prompt=prompt, label=None if label is None else str(label), metadata=metadata)
 
 
 class RolloutDataSource(DataSource):
@@ -122,9 +84,16 @@ class RolloutDataSource(DataSource):
         self.args = args
         settings = self.settings = PromptSettings.from_args(args)
         if not settings.prompt_data:
-            raise ValueError("RolloutDataSource needs --prompt-data FILE.jsonl (or .parquet)")
-        records = read_prompt_records(settings.prompt_data, required_keys=settings.record_keys())
-        self.dataset = [record_to_sample(record, settings) for record in records]
+            raise ValueError("RolloutDataSource needs --prompt-data (a JSONL or Parquet file, a datasets directory...)")
+        #: Rows of every source laid end to end; `source_sizes` tells where each source's rows are.
+        self.dataset: list[Sample] = []
+        self.source_sizes: list[int] = []
+        for source in settings.prompt_data:
+            records = read_prompt_records(
+                source.location, required_keys=settings.record_keys(), split=settings.prompt_data_split
+            )
+            self.dataset += [record_to_sample(record, settings) for record in records]
+            self.source_sizes.append(len(records))
         self.epoch_id = 0
         self.sample_offset = 0
         self.sample_group_index = 0
@@ -135,9 +104,13 @@ class RolloutDataSource(DataSource):
         return len(self.dataset)
 
     def _epoch_order(self, epoch: int) -> list[int]:
+        settings = self.settings
+        if len(settings.prompt_data) > 1:
+            weights = [source.weight or 1.0 for source in settings.prompt_data]
+            return mixture_epoch(self.source_sizes, weights, epoch, settings.shuffle, settings.seed)
         order = list(range(len(self.dataset)))
-        if self.settings.shuffle:
-            random.Random(self.settings.seed + epoch).shuffle(order)
+        if settings.shuffle:
+            random.Random(settings.seed + epoch).shuffle(order)
         return order
 
     def get_samples(self, num_samples: int) -> list[list[Sample]]:
@@ -171,6 +144,7 @@ class RolloutDataSource(DataSource):
             "sample_group_index": self.sample_group_index,
             "sample_index": self.sample_index,
             "dataset_size": len(self.dataset),
+            "prompt_data": [str(source) for source in self.settings.prompt_data],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -180,6 +154,13 @@ class RolloutDataSource(DataSource):
             raise ValueError(
                 f"The saved data source cursor is for {state.get('dataset_size')} prompts but --prompt-data has "
                 f"{len(self.dataset)}; resume with the same prompt file"
+            )
+        saved_sources = state.get("prompt_data")  # absent from cursors saved before mixtures existed
+        sources = [str(source) for source in self.settings.prompt_data]
+        if saved_sources is not None and saved_sources != sources:
+            raise ValueError(
+                f"The saved data source cursor is for --prompt-data {' '.join(saved_sources)} but this run has "
+                f"--prompt-data {' '.join(sources)}; resume with the same locations and weights"
             )
         self.epoch_id = int(state["epoch_id"])
         self.sample_offset = int(state["sample_offset"])

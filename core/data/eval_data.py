@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from math import comb
 from typing import Any
 
-from slime.data.data_source import read_prompt_records, record_to_sample
+from slime.data.data_source import record_to_sample
 from slime.data.prompt_settings import PromptSettings
+from slime.data.prompt_sources import EVAL_SPLIT, read_prompt_records
 from slime.utils.settings import Settings, option
 from slime.utils.types import Sample
 
@@ -33,7 +34,8 @@ _PAIRS_FIX = "give NAME PATH pairs, e.g. --eval-prompt-data aime aime.jsonl gsm8
 
 @dataclass(frozen=True)
 class EvalDataset:
-    """One `--eval-prompt-data` pair: the name its metrics carry (`eval/<name>/...`) and its prompt file."""
+    """One `--eval-prompt-data` pair: the name its metrics carry (`eval/<name>/...`) and where its prompts are
+    (a JSONL or Parquet file, a `datasets` directory or a Hub dataset id)."""
 
     name: str
     path: str
@@ -62,6 +64,8 @@ class EvalSettings(Settings):
 
     datasets: tuple[EvalDataset, ...] = option("eval_prompt_data", (), convert=parse_eval_prompt_data)
     n_samples_per_prompt: int = option("n_samples_per_eval_prompt", 1, convert=int, minimum=1)
+    #: The split read from a `datasets` directory or Hub dataset that has several (None: `test`).
+    split: str | None = option("eval_prompt_data_split")
 
 
 def read_eval_records(args: Any) -> dict[str, list[dict]]:
@@ -71,7 +75,11 @@ def read_eval_records(args: Any) -> dict[str, list[dict]]:
     required = PromptSettings.from_args(args).record_keys()
     return {
         dataset.name: read_prompt_records(
-            dataset.path, required_keys=required, source=f"--eval-prompt-data {dataset.name}"
+            dataset.path,
+            required_keys=required,
+            source=f"--eval-prompt-data {dataset.name}",
+            split=settings.split,
+            preferred_split=EVAL_SPLIT,
         )
         for dataset in settings.datasets
     }

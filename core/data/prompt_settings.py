@@ -1,7 +1,7 @@
 """The prompt data sources' settings: what reading `--prompt-data` into prompt groups takes from the arguments.
 
-`PromptSettings.from_args(args)` is built once by each `RolloutDataSource` (and by the run's start-up check
-of the prompt file, `prompt_record_keys`) and validated there, with errors that name the flag. Attributes
+`PromptSettings.from_args(args)` is built once by each `RolloutDataSource` (the run's start-up check of the
+prompts builds one too) and validated there, with errors that name the flag. Attributes
 `args` lacks take the flags' defaults.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slime.data.prompt_sources import PromptSource, parse_prompt_data
 from slime.utils.settings import Settings, option
 
 
@@ -16,12 +17,16 @@ from slime.utils.settings import Settings, option
 class PromptSettings(Settings):
     """See the flags of the same names in `slime-run --help`."""
 
-    #: The JSONL or Parquet prompt file (None: no prompts).
-    prompt_data: str | None = option("prompt_data")
-    #: The field of each row that holds the prompt, and the optional ones with its label and its metadata.
+    #: Where the prompts are: one location, or a weighted mixture (empty: no prompts).
+    prompt_data: tuple[PromptSource, ...] = option("prompt_data", (), convert=parse_prompt_data)
+    #: The split read from a `datasets` directory or Hub dataset that has several (None: `train`).
+    prompt_data_split: str | None = option("prompt_data_split")
+    #: The field of each row that holds the prompt, and the optional ones with its label, its metadata and the
+    #: tools (function schemas) its chat template is rendered with.
     input_key: str = option("input_key", "input")
     label_key: str | None = option("label_key")
     metadata_key: str = option("metadata_key", "metadata")
+    tool_key: str | None = option("tool_key")
     #: Send a string prompt as one user message.
     apply_chat_template: bool = option("apply_chat_template", False)
     #: Shuffle the prompts each epoch, seeded with `seed` + epoch.

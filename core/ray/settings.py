@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from slime.data.prompt_sources import PromptSource, parse_prompt_data
 from slime.ray.router import ROUTER_CHOICES, router_for
 from slime.utils.settings import Settings, option, options_from_args
 from slime.weight_sync import DEFAULT_BUCKET_BYTES, TRANSPORTS, canonical_transport
@@ -210,7 +211,7 @@ class InputSettings(Settings):
     """The files a run reads before Ray starts."""
 
     hf_checkpoint: str | None = option("hf_checkpoint")
-    prompt_data: str | None = option("prompt_data")
+    prompt_data: tuple[PromptSource, ...] = option("prompt_data", (), convert=parse_prompt_data)
     data_source: str = option("data_source_path", DEFAULT_DATA_SOURCE)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from slime.data.prompt_sources import parse_chat_template_kwargs
 from slime.utils.settings import Settings, option, options_from_args
 
 
@@ -39,6 +40,10 @@ class RolloutSettings(Settings):
     eval_max_response_len: int | None = option("eval_max_response_len", convert=int, minimum=1)
     #: The tokenizer to send token ids with (None: the engine's `/model_info` tokenizer, else text).
     hf_checkpoint: str | None = option("hf_checkpoint")
+    #: Keyword arguments every chat prompt is rendered with (`--apply-chat-template-kwargs`).
+    chat_template_kwargs: dict[str, Any] | None = option(
+        "apply_chat_template_kwargs", convert=parse_chat_template_kwargs
+    )
     custom_generate_function_path: str | None = option("custom_generate_function_path")
     sample_filter_path: str | None = option("rollout_sample_filter_path")
     all_samples_process_path: str | None = option("rollout_all_samples_process_path")

@@ -163,7 +163,14 @@ def _prompt_ids(state: GenerateState, sample: Sample) -> list[int] | None:
         return None
     prompt = sample.prompt
     if isinstance(prompt, list):
-        return state.tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
+        return state.tokenizer.apply_chat_template(
+            prompt,
+            tools=sample.metadata.get("tools"),
+            tokenize=True,
+            return_dict=False,  # transformers 5 returns a BatchEncoding by default
+            add_generation_prompt=True,
+            **(state.settings.chat_template_kwargs or {}),
+        )
     return state.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
 

@@ -88,12 +88,39 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="a Hugging Face model directory, or a Hub id (owner/name) fetched into the Hugging Face cache at start-up "
         "(found there when the Hub is unreachable); default: the built-in tiny model",
     )
-    rollout.add_argument("--prompt-data", default=None, help="JSONL or Parquet prompts")
-    rollout.add_argument("--input-key", default="input")
-    rollout.add_argument("--label-key", default=None)
-    rollout.add_argument("--metadata-key", default="metadata")
-    rollout.add_argument("--tool-key", default=None)
-    rollout.add_argument("--apply-chat-template", action="store_true")
+    rollout.add_argument(
+        "--prompt-data",
+        nargs="+",
+        default=None,
+        metavar="LOCATION[:WEIGHT]",
+        help="the training prompts: a JSONL or Parquet file, a directory written by datasets' save_to_disk, or a "
+        "Hugging Face Hub dataset id (owner/name; needs `pip install 'slime-rl[data]'`). Several LOCATION:WEIGHT "
+        "train on a weighted mixture, e.g. --prompt-data math.jsonl:0.7 code.parquet:0.3",
+    )
+    rollout.add_argument(
+        "--prompt-data-split",
+        default=None,
+        help="the split of a datasets directory or Hub dataset with several (default: train, or its only split)",
+    )
+    rollout.add_argument("--input-key", default="input", help="the field of a prompt row that holds the prompt")
+    rollout.add_argument("--label-key", default=None, help="the field that holds the label the reward reads")
+    rollout.add_argument("--metadata-key", default="metadata", help="the field that holds the row's metadata")
+    rollout.add_argument(
+        "--tool-key",
+        default=None,
+        help="the field that holds a row's tools (a list of function schemas, or its JSON), passed to the chat "
+        "template as tools=",
+    )
+    rollout.add_argument(
+        "--apply-chat-template", action="store_true", help="send a plain-text prompt as one user message"
+    )
+    rollout.add_argument(
+        "--apply-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="keyword arguments every chat prompt is rendered with, as a JSON object, e.g. "
+        "'{\"enable_thinking\": false}'",
+    )
     rollout.add_argument("--rollout-shuffle", action="store_true")
     rollout.add_argument("--rollout-seed", type=int, default=42, help="seeds prompt shuffling and sampling")
     rollout.add_argument(
@@ -120,9 +147,14 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="NAME PATH",
         default=None,
-        help="held-out prompt files (JSONL or Parquet, the --input-key/--label-key fields) evaluated every "
-        "--eval-interval steps; metrics eval/NAME/reward and eval/NAME/pass@k. Evaluation never draws from the "
-        "training prompts or the queue",
+        help="held-out prompts (each PATH a JSONL or Parquet file, a datasets directory or a Hub dataset id, with "
+        "the --input-key/--label-key fields) evaluated every --eval-interval steps; metrics eval/NAME/reward and "
+        "eval/NAME/pass@k. Evaluation never draws from the training prompts or the queue",
+    )
+    rollout.add_argument(
+        "--eval-prompt-data-split",
+        default=None,
+        help="the split of an eval datasets directory or Hub dataset with several (default: test, or its only split)",
     )
     rollout.add_argument(
         "--n-samples-per-eval-prompt",
