@@ -164,8 +164,8 @@ def train(args: Any, pgs: Any, rollout_manager: Any, num_rollout_per_epoch: int 
         if was_paused and rollout_id + 1 < num_rollout:
             ray.get(rollout_manager.resume_rollout_admission.remote())
 
-        if should_run_periodic_action(rollout_id, eval_interval, num_rollout_per_epoch):
-            evaluate(rollout_id)
+        if should_run_periodic_action(rollout_id, eval_interval, num_rollout_per_epoch, num_rollout):
+            evaluate(rollout_id)  # the last step's weights too: the run ends with its final model's scores
         timer.seconds["step"] = time.perf_counter() - step_started
         observers.call("slime_step_end", args=args, rollout_id=rollout_id, metrics=timer.metrics())
 

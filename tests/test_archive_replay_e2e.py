@@ -44,12 +44,13 @@ def test_archived_run_replays_identical_training_batches(tmp_path: Path) -> None
         template,
         cwd=tmp_path,
     )
-    # One archive per training step, and one of the demo's evaluation before step 0 (eval samples never reach
-    # the run's pool, so that archive keeps them in a pool of its own, straw-data/).
+    # One archive per training step, and one per evaluation of the demo's, before step 0 and after the last step
+    # (eval samples never reach the run's pool, so those archives keep them in a pool of their own, straw-data/).
     assert sorted(p.name for p in dumps.iterdir()) == [
         "0.straw.json",
         "1.straw.json",
         "eval_0.straw.json",
+        "eval_1.straw.json",
         "straw-data",
     ]
     live = _train_metrics(run)

@@ -60,10 +60,13 @@ def _run(tmp_path: Path, *extra: str) -> tuple[Path, str]:
     return save, log.read_text(errors="replace")
 
 
+def _metrics_lines(save: Path) -> list[dict]:
+    return [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
 def _rollout_metrics(save: Path) -> dict[int, dict]:
     """Per step, the metrics line that carries the rollout function's metrics."""
-    lines = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {line["step"]: line for line in lines if "rollout/num_samples" in line}
+    return {line["step"]: line for line in _metrics_lines(save) if "rollout/num_samples" in line}
 
 
 def test_example_rollout_source_and_filter_take_effect_in_a_run(tmp_path: Path) -> None:
@@ -112,9 +115,10 @@ def test_a_run_sends_its_rollout_requests_through_sglang_router(tmp_path: Path) 
     assert routed, router_log[-3000:]
     trained = sum(line["rollout/num_samples"] for line in metrics.values())
     assert trained == NUM_ROLLOUT * BATCH * PER_PROMPT
-    # The demo also evaluates before step 0: every prompt of its eval splits, n_samples_per_eval_prompt times.
-    settings = demo_settings(save)
+    # The demo also evaluates, before step 0 and after the last step: each time every prompt of its eval splits,
+    # n_samples_per_eval_prompt times.
+    evaluations = [line["step"] for line in _metrics_lines(save) if "eval/copy-all/reward" in line]
+    assert evaluations == [0, NUM_ROLLOUT - 1]
     eval_prompts = sum(len(path.read_text().splitlines()) for path in demo_eval_files(save).values())
-    evaluated = eval_prompts * settings["n_samples_per_eval_prompt"]
-    assert evaluated > 0
+    evaluated = len(evaluations) * eval_prompts * demo_settings(save)["n_samples_per_eval_prompt"]
     assert int(routed.group(1)) == trained + evaluated

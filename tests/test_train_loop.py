@@ -160,6 +160,10 @@ def test_eval_before_training_and_periodically(train_module, monkeypatch):
     _wire(train_module, monkeypatch, log)
     train_module.train(_args(num_rollout=4, eval_interval=2, save_interval=None), {}, _manager(log), None, None)
     assert [a[0] for n, a, _ in log if n == "manager.eval"] == [0, 1, 3]
+    log.clear()
+    # The last step is evaluated whatever the interval: the run ends with its final model's scores.
+    train_module.train(_args(num_rollout=5, eval_interval=3, save_interval=None), {}, _manager(log), None, None)
+    assert [a[0] for n, a, _ in log if n == "manager.eval"] == [0, 2, 4]
 
 
 def _eval_observer(monkeypatch, seen: list):

@@ -416,7 +416,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--eval-interval",
         type=int,
         default=None,
-        help="evaluate --eval-prompt-data every N steps (and before the first)",
+        help="evaluate --eval-prompt-data every N steps, before the first and after the last",
     )
     debug.add_argument(
         "--skip-eval-before-train", action="store_true", help="no evaluation before the first step (--eval-interval)"
