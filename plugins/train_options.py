@@ -21,6 +21,15 @@ def slime_addoption(parser) -> None:
     group.add_argument("--eps-clip-high", type=float, default=None, help="upper clip range (default: --eps-clip)")
     group.add_argument("--kl-loss-type", choices=KL_ESTIMATORS, default="k3", help="KL estimator when --kl-coef > 0")
     group.add_argument(
+        "--use-kl-loss",
+        action="store_true",
+        help="add the KL to the reference model to the loss, weighted by --kl-loss-coef (upstream slime's spelling "
+        "of --kl-coef)",
+    )
+    group.add_argument(
+        "--kl-loss-coef", type=float, default=0.0, help="the KL loss's weight with --use-kl-loss (sets --kl-coef)"
+    )
+    group.add_argument(
         "--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus subtracted from the loss"
     )
     group.add_argument(
@@ -63,9 +72,27 @@ def slime_addoption(parser) -> None:
     )
 
 
+def apply_kl_loss_spelling(args: Any) -> None:
+    """`--use-kl-loss --kl-loss-coef X` (upstream slime's KL loss) sets `--kl-coef X`, this project's KL loss weight.
+
+    Upstream's own `--kl-coef` puts a KL penalty in the reward instead; here it weighs the KL loss, so a run that
+    gives both spellings different values is refused rather than silently picking one."""
+    if not getattr(args, "use_kl_loss", False):
+        return
+    explicit = getattr(args, "explicit_options", frozenset())
+    kl_coef, kl_loss_coef = float(getattr(args, "kl_coef", 0.0) or 0.0), float(args.kl_loss_coef)
+    if "kl_coef" in explicit and kl_coef not in (0.0, kl_loss_coef):
+        raise ValueError(
+            f"--use-kl-loss --kl-loss-coef {kl_loss_coef:g} with --kl-coef {kl_coef:g}: here --kl-coef is the KL "
+            "loss's weight too (upstream slime's reward-side KL penalty is not implemented); give one of them"
+        )
+    args.kl_coef = kl_loss_coef
+
+
 @hookimpl
 def slime_configure(args: Any) -> None:
     """Refuse, while the arguments are parsed, a loss no backend can run."""
+    apply_kl_loss_spelling(args)
     loss = LossSettings.from_args(args)  # ValueError naming the flag for a value out of range
     if loss.use_tis and getattr(args, "use_rollout_logprobs", False):
         raise ValueError(

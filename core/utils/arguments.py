@@ -31,6 +31,7 @@ from slime.ray.router import ROUTER_CHOICES, sglang_router_available
 from slime.rollout.remote_reward import check_remote_reward_options
 from slime.rollout.rm_hub import REWARD_ERROR_POLICIES, RewardSettings, parse_weights, split_names
 from slime.specs import RATIO_LEVELS
+from slime.utils.upstream_flags import add_upstream_refusals
 from slime.weight_sync import DEFAULT_BUCKET_BYTES, TRANSPORTS
 
 logger = logging.getLogger(__name__)
@@ -299,9 +300,44 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     train.add_argument("--use-critic", action="store_true")
     train.add_argument("--num-critic-only-steps", type=int, default=0)
-    train.add_argument("--rewards-normalization", action=argparse.BooleanOptionalAction, default=True)
-    train.add_argument("--grpo-std-normalization", action=argparse.BooleanOptionalAction, default=True)
-    train.add_argument("--global-batch-size", type=int, default=None)
+    train.add_argument(
+        "--rewards-normalization",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="subtract each prompt group's mean reward (GRPO's baseline)",
+    )
+    train.add_argument(
+        "--disable-rewards-normalization",
+        dest="rewards_normalization",
+        action="store_false",
+        help="upstream slime's spelling of --no-rewards-normalization",
+    )
+    train.add_argument(
+        "--grpo-std-normalization",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="divide the normalized rewards by the group's standard deviation",
+    )
+    train.add_argument(
+        "--disable-grpo-std-normalization",
+        dest="grpo_std_normalization",
+        action="store_false",
+        help="upstream slime's spelling of --no-grpo-std-normalization",
+    )
+    train.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="samples per optimizer step (default: one step per rollout)",
+    )
+    train.add_argument(
+        "--num-steps-per-rollout",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="optimizer steps per rollout: sets --global-batch-size to --rollout-batch-size x "
+        "--n-samples-per-prompt / N",
+    )
     train.add_argument("--micro-batch-size", type=int, default=8)
     train.add_argument("--use-dynamic-batch-size", action="store_true")
     train.add_argument("--max-tokens-per-gpu", type=int, default=None)
@@ -466,6 +502,7 @@ def build_parser(pm: Any = None) -> argparse.ArgumentParser:
     )
     add_plugin_arguments(parser)
     _add_run_arguments(parser)
+    add_upstream_refusals(parser)
     if pm is not None:
         pm.hook.slime_addoption.call_historic(kwargs={"parser": parser})
     return parser
@@ -502,6 +539,27 @@ def _check_named_options(parser: argparse.ArgumentParser, args: argparse.Namespa
                 registry.resolve(kind, name)
         except (PluginError, ImportError, AttributeError, ValueError) as exc:
             parser.error(f"--{dest.replace('_', '-')}: {exc}")
+
+
+def _apply_num_steps_per_rollout(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`--num-steps-per-rollout N` sets `--global-batch-size` to a rollout's samples / N (after the plugins' defaults,
+    which it overrides; a `--global-batch-size` given on the command line must agree)."""
+    steps = args.num_steps_per_rollout
+    if steps is None:
+        return
+    samples = args.rollout_batch_size * args.n_samples_per_prompt
+    if samples % steps:
+        parser.error(
+            f"--num-steps-per-rollout {steps} does not divide a rollout's {samples} samples (--rollout-batch-size "
+            f"{args.rollout_batch_size} x --n-samples-per-prompt {args.n_samples_per_prompt})"
+        )
+    global_batch_size = samples // steps
+    if "global_batch_size" in args.explicit_options and args.global_batch_size != global_batch_size:
+        parser.error(
+            f"--num-steps-per-rollout {steps} means --global-batch-size {global_batch_size}, not "
+            f"{args.global_batch_size}: give one of them"
+        )
+    args.global_batch_size = global_batch_size
 
 
 def _check_advantage_estimator(parser: argparse.ArgumentParser, args: argparse.Namespace, registry: Registry) -> None:
@@ -629,6 +687,7 @@ def parse_args(argv: Sequence[str] | None = None, *, return_restore_plan: bool =
         pm.hook.slime_configure(args=args)
     except ValueError as exc:  # the hook's contract: a user's bad input, naming the flag to fix
         parser.error(str(exc))
+    _apply_num_steps_per_rollout(parser, args)
     _check_named_options(parser, args, registry)
     _check_advantage_estimator(parser, args, registry)
     _check_reward_options(parser, args)

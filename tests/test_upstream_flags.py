@@ -1,0 +1,87 @@
+"""Upstream slime's spellings of flags this project has under other names: each lands where this project reads it,
+and a combination that would mean two things is refused at parse time, naming both flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slime.plugins.rl_losses import LossSettings
+from slime.utils.arguments import parse_args
+from slime.utils.upstream_flags import NOT_IMPLEMENTED
+
+
+def _parse(tmp_path, *flags: str):
+    base = ["--hf-checkpoint", str(tmp_path / "model"), "--prompt-data", str(tmp_path / "p.jsonl")]
+    return parse_args([*base, "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", *flags])
+
+
+def _refused(tmp_path, capsys, *flags: str) -> str:
+    with pytest.raises(SystemExit):
+        _parse(tmp_path, *flags)
+    return capsys.readouterr().err
+
+
+def test_a_flag_set_in_upstreams_spelling_lands_where_this_project_reads_it(tmp_path):
+    args = _parse(
+        tmp_path,
+        *("--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-loss-type", "low_var_kl"),
+        *("--disable-rewards-normalization", "--disable-grpo-std-normalization"),
+        *("--num-steps-per-rollout", "4", "--calculate-per-token-loss", "--balance-data"),
+        *("--use-tis", "--eps-clip", "0.2", "--eps-clip-high", "0.28", "--entropy-coef", "0.0"),
+    )
+    assert args.kl_coef == 0.01  # the KL loss's weight, as upstream's --kl-loss-coef
+    assert args.rewards_normalization is False and args.grpo_std_normalization is False
+    assert args.global_batch_size == 8 * 4 // 4
+    loss = LossSettings.from_args(args)
+    assert (loss.kl_coef, loss.kl_loss_type, loss.loss_agg_mode, loss.use_tis) == (
+        0.01,
+        "low_var_kl",
+        "token-mean",
+        True,
+    )
+    assert (loss.eps_clip, loss.eps_clip_high) == (0.2, 0.28)
+    assert args.balance_data is True
+
+
+def test_this_projects_own_spellings_still_work(tmp_path):
+    args = _parse(tmp_path, "--no-rewards-normalization", "--kl-coef", "0.05", "--global-batch-size", "16")
+    assert args.rewards_normalization is False and args.grpo_std_normalization is True
+    assert args.kl_coef == 0.05 and args.global_batch_size == 16
+    # --kl-loss-coef weighs nothing without --use-kl-loss, as upstream.
+    assert _parse(tmp_path, "--kl-loss-coef", "0.3").kl_coef == 0.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ("--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-coef", "0.1"),
+            "--use-kl-loss --kl-loss-coef 0.01 with --kl-coef 0.1: here --kl-coef is the KL loss's weight too",
+        ),
+        (("--num-steps-per-rollout", "3"), "--num-steps-per-rollout 3 does not divide a rollout's 32 samples"),
+        (
+            ("--num-steps-per-rollout", "2", "--global-batch-size", "8"),
+            "--num-steps-per-rollout 2 means --global-batch-size 16, not 8: give one of them",
+        ),
+        (("--num-steps-per-rollout", "0"), "--num-steps-per-rollout"),
+    ],
+)
+def test_spellings_that_disagree_are_refused_naming_both(tmp_path, capsys, flags, message):
+    assert message in _refused(tmp_path, capsys, *flags)
+
+
+@pytest.mark.parametrize("flag", sorted(NOT_IMPLEMENTED))
+def test_an_upstream_flag_not_implemented_here_is_refused_saying_why(tmp_path, capsys, flag):
+    error = _refused(tmp_path, capsys, flag, "x")
+    assert f"slime-run: error: {flag} (upstream slime): {NOT_IMPLEMENTED[flag]}" in error
+    assert "Traceback" not in error
+
+
+def test_the_docs_list_every_refused_flag_with_its_reason():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "upstream.md").read_text()
+    for flag, why in NOT_IMPLEMENTED.items():
+        assert f"| `{flag}` | {why.replace('--release-train', '`--release-train`')}" in text.replace(
+            "(`--hf-checkpoint`)", "(--hf-checkpoint)"
+        ), flag
