@@ -25,9 +25,10 @@ VENV = {"venv_backend": "venv", "venv_params": ["--system-site-packages"]}
 TRANSPORTS = ["object-store", "nixl", "straw"]
 #: A separately installable transport built on the plugin interface; the suite and the e2e sessions run its tests.
 CONTRIB_TRANSPORT = "contrib/slime-safetensors-transport"
-#: Experiment-tracker plugins (observers, off unless --use-tensorboard / --use-wandb); the suite and e2e run their
-#: tests. Installed with their dependencies (tensorboardX, wandb; tensorboard for reading events back in tests).
-CONTRIB_TRACKERS = ("contrib/slime-tensorboard[test]", "contrib/slime-wandb[test]")
+#: Experiment-tracker plugins (observers, off unless --use-tensorboard / --use-wandb / --use-trackio); the suite and
+#: e2e run their tests. Installed with their dependencies (tensorboardX, wandb, trackio; tensorboard for reading
+#: events back in tests).
+CONTRIB_TRACKERS = ("contrib/slime-tensorboard[test]", "contrib/slime-wandb[test]", "contrib/slime-trackio[test]")
 
 
 def _install(session: nox.Session, extras: str = "cpu,test") -> None:

@@ -1,10 +1,10 @@
-"""The experiment trackers (contrib/slime-tensorboard, contrib/slime-wandb) on the CPU demo, killed and rerun.
+"""The experiment trackers (contrib/slime-tensorboard, -wandb, -trackio) on the CPU demo, killed and rerun.
 
 The demo runs with both trackers (wandb offline: no network), is SIGKILLed with every process of it right after
 step 2's joint commit, and the same command runs to the end (it resumes at step 3). What the trackers left on disk
 is read back: TensorBoard's own reader sees every step 0..3 once, each with the value the run's metrics.jsonl
 holds last for it (the rerun's for a step trained again); the wandb run is one run id over two offline segments,
-every step's metrics logged once.
+and the trackio run one run, every step's metrics logged once in each.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from slime.utils.external_utils.slime_run_process import SlimeRunProcess
 
 pytest.importorskip("slime_tensorboard", reason="pip install -e 'contrib/slime-tensorboard[test]'")
 pytest.importorskip("slime_wandb", reason="pip install -e contrib/slime-wandb")
+pytest.importorskip("slime_trackio", reason="pip install -e contrib/slime-trackio")
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
+import slime_trackio  # noqa: E402
 from slime_wandb import read_run_file  # noqa: E402
 from slime_wandb.offline import history, offline_run_files  # noqa: E402
 
@@ -39,8 +41,8 @@ REPORTED_BY_THE_DRIVER = ("checkpoint/committed", "perf/step_time")
 
 def _argv(save: Path) -> list[str]:
     return [
-        *("--plugin", "straw", "--plugin", "tensorboard", "--plugin", "wandb"),
-        *("--use-tensorboard", "--use-wandb", "--wandb-mode", "offline"),
+        *("--plugin", "straw", "--plugin", "tensorboard", "--plugin", "wandb", "--plugin", "trackio"),
+        *("--use-tensorboard", "--use-wandb", "--wandb-mode", "offline", "--use-trackio"),
         *("--num-rollout", str(NUM_ROLLOUT), "--save-interval", "1", "--eval-interval", "2", "--save", str(save)),
         *("--log-interval", str(LOG_INTERVAL)),
     ]
@@ -54,9 +56,10 @@ def _kill_after_commit(save: Path, log: Path, step: int) -> None:
             assert run.poll() is None, f"the run ended before step {step}'s commit:\n{run.log_tail()}"
             assert time.monotonic() < deadline, f"no commit of step {step} in {RUN_TIMEOUT_S}s:\n{run.log_tail()}"
             time.sleep(0.05)
-        # wandb writes its offline file every 0.2 s (slime_wandb.FLUSH_INTERVAL_S): rows of the committed steps
-        # handed to it in the last moment before a kill are lost and no rerun trains those steps again.
-        time.sleep(0.5)
+        # wandb writes its offline file every 0.2 s (slime_wandb.FLUSH_INTERVAL_S), trackio its database every
+        # 0.5 s: rows of the committed steps handed to them in the last moment before a kill are lost and no rerun
+        # trains those steps again.
+        time.sleep(1.0)
     finally:
         run.kill()
     assert not run.processes(), "a process of the killed run survived"
@@ -117,3 +120,12 @@ def test_trackers_continue_one_run_across_a_kill_without_duplicate_steps(tmp_pat
     assert all(row["rollout/samples/nrows"] == 4 for row in tables), "the first answer of the first 4 groups"
     by_step = {row["rollout_step"]: row["rollout/reward"] for row in rows if "rollout/reward" in row}
     assert by_step == pytest.approx(rewards)
+
+    record = slime_trackio.read_run_file(save / "trackio_run.json")
+    trackio_rows = slime_trackio.logged_rows(save / "trackio", record["project"], record["run_name"])
+    for key in ("rollout/reward", "train/loss", *REPORTED_BY_THE_DRIVER):
+        counts = Counter(row["step"] for row in trackio_rows if key in row)
+        assert counts == dict.fromkeys(sorted(_latest_metric(save, key)), 1), ("trackio", key, counts)
+    by_step = {row["step"]: row["rollout/reward"] for row in trackio_rows if "rollout/reward" in row}
+    assert by_step == pytest.approx(rewards)
+    assert [row["step"] for row in trackio_rows if "rollout/samples" in row] == [0, 2]

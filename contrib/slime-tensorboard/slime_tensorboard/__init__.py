@@ -24,19 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 from slime import hookimpl
+from slime.observability.tracker_values import run_config, scalars
 
 logger = logging.getLogger(__name__)
 
 #: The default event directory under `--save`.
 DEFAULT_SUBDIR = "tensorboard"
-#: Option names whose values never go into the logged configuration.
-SECRET_MARKERS = ("key", "token", "secret", "password")
 
 
 @hookimpl
@@ -74,39 +72,6 @@ def slime_configure(args: argparse.Namespace) -> None:
     elif not str(directory).strip():
         raise ValueError("--tensorboard-dir is empty; give a directory, e.g. --tensorboard-dir ./tensorboard")
     args.tensorboard_dir = str(Path(directory).expanduser().resolve())
-
-
-def scalars(metrics: dict[str, Any], prefix: str | None = None) -> dict[str, float]:
-    """The numeric entries of `metrics` (booleans and non-numbers left out); with `prefix`, a key without a `/`
-    becomes `prefix/key`."""
-    found = {}
-    for key, value in metrics.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        name = f"{prefix}/{key}" if prefix and "/" not in key else key
-        found[name] = float(value)
-    return found
-
-
-def run_config(args: argparse.Namespace) -> dict[str, Any]:
-    """`vars(args)` made JSON-safe: values JSON cannot hold become strings, secrets (`*key*`, `*token*`, ...)
-    are replaced with `"<redacted>"`, NaN and infinities become strings."""
-
-    def safe(value: Any) -> Any:
-        if value is None or isinstance(value, (bool, int, str)):
-            return value
-        if isinstance(value, float):
-            return value if math.isfinite(value) else str(value)
-        if isinstance(value, (list, tuple)):
-            return [safe(item) for item in value]
-        if isinstance(value, dict):
-            return {str(k): safe(v) for k, v in value.items()}
-        return str(value)
-
-    return {
-        name: "<redacted>" if value and any(m in name.lower() for m in SECRET_MARKERS) else safe(value)
-        for name, value in sorted(vars(args).items())
-    }
 
 
 class TensorboardTracker:

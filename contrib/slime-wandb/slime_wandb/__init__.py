@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import re
 import secrets
@@ -37,6 +36,7 @@ from typing import Any
 
 from slime import hookimpl
 from slime.observability.sample_tables import COLUMNS, table_due, table_rows
+from slime.observability.tracker_values import logged_steps, run_config, scalars
 
 logger = logging.getLogger(__name__)
 
@@ -45,22 +45,10 @@ DEFAULT_SUBDIR = "wandb"
 RUN_FILE = "wandb_run.json"
 #: wandb run ids: letters, digits, `-` and `_` (they become part of URLs and file names).
 RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
-#: Option names whose values never go into the logged configuration.
-SECRET_MARKERS = ("key", "token", "secret", "password")
 STEP_METRIC = "rollout_step"
 #: Seconds between wandb's writes of its local transaction log (`.wandb` file; wandb's default is 15): what a kill
 #: can lose of the rows already handed to wandb.
 FLUSH_INTERVAL_S = 0.2
-
-
-def row_kind(row: dict[str, Any]) -> str:
-    """Which hook call logged a row, from its keys (the rows `WandbTracker.log` writes)."""
-    if "checkpoint/committed" in row:
-        return "checkpoint"
-    for prefix, kind in (("train/", "train"), ("eval/", "eval"), ("rollout/", "rollout")):
-        if any(key.startswith(prefix) for key in row):
-            return kind
-    return "perf"
 
 
 def durable_record(wandb_dir: Path, run_id: str) -> dict[str, Any]:
@@ -68,17 +56,9 @@ def durable_record(wandb_dir: Path, run_id: str) -> dict[str, Any]:
     (an evaluation before the first step counts as `eval_initial`)."""
     from slime_wandb.offline import history
 
-    logged: dict[str, int] = {}
-    next_step = 0
-    for row in history(wandb_dir, run_id):
-        next_step = max(next_step, int(row.get("_step", -1)) + 1)
-        if STEP_METRIC not in row:
-            continue
-        kind, step = row_kind(row), int(row[STEP_METRIC])
-        if kind == "eval" and step == 0 and "eval_initial" not in logged:
-            kind = "eval_initial"
-        logged[kind] = max(logged.get(kind, -1), step)
-    return {"next_step": next_step, "logged": logged}
+    rows = history(wandb_dir, run_id)
+    next_step = max((int(row.get("_step", -1)) + 1 for row in rows), default=0)
+    return {"next_step": next_step, "logged": logged_steps(rows, STEP_METRIC)}
 
 
 @hookimpl
@@ -146,37 +126,6 @@ def slime_configure(args: argparse.Namespace) -> None:
                 )
             value = root / default
         setattr(args, attribute, str(Path(value).expanduser().resolve()))
-
-
-def scalars(metrics: dict[str, Any], prefix: str | None = None) -> dict[str, float]:
-    """The numeric entries of `metrics` (booleans and non-numbers left out); with `prefix`, a key without a `/`
-    becomes `prefix/key`."""
-    found = {}
-    for key, value in metrics.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        found[f"{prefix}/{key}" if prefix and "/" not in key else key] = float(value)
-    return found
-
-
-def run_config(args: argparse.Namespace) -> dict[str, Any]:
-    """`vars(args)` made JSON-safe (other values as strings), with secrets (`*key*`, `*token*`, ...) redacted."""
-
-    def safe(value: Any) -> Any:
-        if value is None or isinstance(value, (bool, int, str)):
-            return value
-        if isinstance(value, float):
-            return value if math.isfinite(value) else str(value)
-        if isinstance(value, (list, tuple)):
-            return [safe(item) for item in value]
-        if isinstance(value, dict):
-            return {str(k): safe(v) for k, v in value.items()}
-        return str(value)
-
-    return {
-        name: "<redacted>" if value and any(m in name.lower() for m in SECRET_MARKERS) else safe(value)
-        for name, value in sorted(vars(args).items())
-    }
 
 
 def read_run_file(path: Path) -> dict[str, Any]:
