@@ -51,8 +51,9 @@ FOREIGN_FLAGS = {
     # the option-table helper subprocess of slime.plugins.sglang_engine.server_args
     "--check",
     "--table",
-    # `tensorboard --logdir` (docs/trackers.md)
+    # `tensorboard --logdir` and `trackio show --project` (docs/trackers.md)
     "--logdir",
+    "--project",
     # `hf download ID --local-dir DIR` (the fix slime.utils.hub_checkpoint suggests when the Hub is unreachable)
     "--local-dir",
     # "--sglang-<name>": the placeholder of every SGLang option
