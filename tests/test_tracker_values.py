@@ -5,8 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from pathlib import Path
 
-from slime.observability.tracker_values import logged_steps, row_kind, run_config, scalars
+import pytest
+
+from slime.observability.tracker_values import (
+    logged_steps,
+    paths_under_save,
+    read_run_file,
+    row_kind,
+    run_config,
+    scalars,
+    write_run_file,
+)
 
 
 def test_scalars_keep_numbers_and_prefix_bare_names():
@@ -46,3 +57,20 @@ def test_logged_steps_per_kind_with_the_initial_evaluation_apart():
         "checkpoint": 0,
         "perf": 0,
     }
+
+
+def test_tracker_paths_default_under_save_and_are_refused_without_it(tmp_path):
+    args = argparse.Namespace(save=str(tmp_path / "run"), t_dir=None, t_file="rel.json")
+    paths_under_save(args, "--use-t", {"t_dir": ("--t-dir", "t"), "t_file": ("--t-file", "t.json")})
+    assert args.t_dir == str((tmp_path / "run" / "t").resolve())
+    assert args.t_file == str(Path("rel.json").resolve())
+    with pytest.raises(ValueError, match=r"--use-t needs --t-dir \(or --save DIR, which puts it at DIR/t\)"):
+        paths_under_save(argparse.Namespace(save=None, t_dir=None), "--use-t", {"t_dir": ("--t-dir", "t")})
+
+
+def test_a_run_file_round_trips_and_is_empty_before_the_first_write(tmp_path):
+    path = tmp_path / "deep" / "run.json"
+    assert read_run_file(path) == {}
+    write_run_file(path, {"run_id": "abc", "logged": {"train": 3}})
+    assert read_run_file(path) == {"logged": {"train": 3}, "run_id": "abc"}
+    assert [p.name for p in path.parent.iterdir()] == ["run.json"], "no temporary file left behind"

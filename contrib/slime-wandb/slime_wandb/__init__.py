@@ -26,9 +26,7 @@ Nothing happens (wandb is not even imported) unless `--use-wandb` is given.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import re
 import secrets
 from pathlib import Path
@@ -36,7 +34,14 @@ from typing import Any
 
 from slime import hookimpl
 from slime.observability.sample_tables import COLUMNS, table_due, table_rows
-from slime.observability.tracker_values import logged_steps, run_config, scalars
+from slime.observability.tracker_values import (
+    logged_steps,
+    paths_under_save,
+    read_run_file,
+    run_config,
+    scalars,
+    write_run_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -111,45 +116,11 @@ def slime_configure(args: argparse.Namespace) -> None:
     timeout = getattr(args, "wandb_init_timeout", 30.0)
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"--wandb-init-timeout must be a positive number of seconds, got {timeout!r}")
-    save = getattr(args, "save", None)
-    root = Path(save).expanduser().resolve() if save else None
-    for flag, attribute, default in (
-        ("--wandb-dir", "wandb_dir", DEFAULT_SUBDIR),
-        ("--wandb-run-file", "wandb_run_file", RUN_FILE),
-    ):
-        value = getattr(args, attribute, None)
-        if value is None:
-            if root is None:
-                raise ValueError(
-                    f"--use-wandb needs {flag} (or --save DIR, which puts it at DIR/{default}): a rerun finds the "
-                    "run to continue there"
-                )
-            value = root / default
-        setattr(args, attribute, str(Path(value).expanduser().resolve()))
-
-
-def read_run_file(path: Path) -> dict[str, Any]:
-    """The recorded run: `{"run_id", "next_step", "logged": {kind: last rollout step}}` (empty when absent)."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-
-
-def write_run_file(path: Path, record: dict[str, Any]) -> None:
-    """Replace `path` atomically and durably: a temporary file, fsynced, renamed over it, the directory fsynced."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(partial, "w", encoding="utf-8") as handle:
-        json.dump(record, handle, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(partial, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    paths_under_save(
+        args,
+        "--use-wandb",
+        {"wandb_dir": ("--wandb-dir", DEFAULT_SUBDIR), "wandb_run_file": ("--wandb-run-file", RUN_FILE)},
+    )
 
 
 class WandbTracker:
