@@ -40,7 +40,7 @@ def _install_suite(session: nox.Session) -> None:
     """The project with the router, math and data extras (their tests run), the contrib transport and the contrib
     trackers (their tests run). The trackers' dependencies come in with them; the machine's torch stays (nothing
     they need asks for another)."""
-    _install(session, "cpu,test,router,math,data")
+    _install(session, "cpu,test,router,math,data,lora")
     session.install("--no-deps", "-e", CONTRIB_TRANSPORT)
     session.install(*(argument for tracker in CONTRIB_TRACKERS for argument in ("-e", tracker)))
 

@@ -46,6 +46,10 @@ class FloorConfig:
     prompt_count: int = 256
     #: A built-in estimator of `slime.plugins.advantage_estimators` (its function of the same name).
     advantage_estimator: str = "grpo"
+    #: LoRA adapters of this rank instead of full fine-tuning (0: full), scaled by `lora_alpha / lora_rank`.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_modules_to_save: str = ""
 
     @classmethod
     def from_demo(cls, **overrides: Any) -> FloorConfig:
@@ -172,8 +176,13 @@ def run_floor(config: FloorConfig, model_dir: Path | None = None) -> list[FloorS
         directory = ensure_tiny_model(model_dir or Path(scratch) / "model")
         tokenizer = AutoTokenizer.from_pretrained(directory)
         model = AutoModelForCausalLM.from_pretrained(directory)
+    if config.lora_rank:
+        from slime.plugins.torch_lora import LoraSettings, add_adapters
+
+        lora = LoraSettings(rank=config.lora_rank, alpha=config.lora_alpha, modules_to_save=config.lora_modules_to_save)
+        model = add_adapters(model, lora, seed=config.seed, base=str(directory))
     optimizer, scheduler = build_optimizer(
-        model.parameters(),
+        [parameter for parameter in model.parameters() if parameter.requires_grad],
         OptimizerSettings.from_args(
             SimpleNamespace(
                 lr=config.lr,
@@ -226,11 +235,13 @@ def main(argv: list[str] | None = None) -> None:
         "max_response_len",
         "seed",
         "global_batch_size",
+        "lora_rank",
     ):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int)
-    for name in ("lr", "temperature", "adam_beta2", "min_lr", "eps_clip_high", "entropy_coef"):
+    for name in ("lr", "temperature", "adam_beta2", "min_lr", "eps_clip_high", "entropy_coef", "lora_alpha"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float)
     parser.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES)
+    parser.add_argument("--lora-modules-to-save", help="with --lora-rank: modules trained in full (slime-run's flag)")
     parser.add_argument(
         "--advantage-estimator",
         choices=["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"],

@@ -24,6 +24,11 @@ scheduler state. The step defaults to the latest checkpoint, the one a rerun of 
 from; a save directory with branches from resumed runs is searched along its lineage. OUT must not exist or be an
 empty directory; it appears complete or not at all (written in a hidden sibling, fsynced, then renamed).
 
+A checkpoint of a LoRA run (--lora-rank) holds adapters: export merges them into the base model it was trained on
+(recorded in the checkpoint; --base names another path to it) and writes plain merged weights, or with --adapter
+copies the adapter itself (adapter_config.json, adapter_model.safetensors, the tokenizer files), which
+peft.PeftModel.from_pretrained loads on top of the base model.
+
 Torch-backend checkpoints only: Megatron checkpoints hold distributed shards; train with --save-hf DIR to get
 Hugging Face directories from them.
 """
@@ -40,6 +45,17 @@ def build_export_parser() -> argparse.ArgumentParser:
     parser.add_argument("out", metavar="OUT", help="the directory to write (new, or an empty directory)")
     parser.add_argument(
         "--step", type=int, default=None, metavar="N", help="the step to export (default: the latest checkpoint)"
+    )
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="LoRA checkpoints: copy the adapter instead of merging it into the base model",
+    )
+    parser.add_argument(
+        "--base",
+        metavar="DIR",
+        default=None,
+        help="LoRA checkpoints: the base model to merge into (default: the --hf-checkpoint the run recorded)",
     )
     return parser
 
@@ -75,12 +91,21 @@ def find_checkpoint(save: Path, step: int | None) -> tuple[int, Path]:
     return step, found[step]
 
 
-def export_checkpoint(save: Path, step: int | None, out: Path) -> str:
-    """Export the checkpoint of `step` of `save` to `out`; returns the line that says what was written."""
+def export_checkpoint(
+    save: Path, step: int | None, out: Path, *, adapter: bool = False, base: str | None = None
+) -> str:
+    """Export the checkpoint of `step` of `save` to `out` (a LoRA checkpoint merged into `base`, default the base
+    it records, or with `adapter` copied as it is); returns the line that says what was written."""
     from slime.plugins import torch_checkpoint as ckpt
+    from slime.plugins import torch_lora
 
     step, checkpoint = find_checkpoint(save, step)
-    if not (checkpoint / "config.json").is_file():
+    lora = torch_lora.is_adapter_checkpoint(checkpoint)
+    if (adapter or base) and not lora:
+        raise UsageError(
+            f"{checkpoint} holds full weights, not LoRA adapters; drop {'--adapter' if adapter else '--base'}"
+        )
+    if not lora and not (checkpoint / "config.json").is_file():
         kind = "a Megatron checkpoint (distributed shards)" if (checkpoint / "dist").is_dir() else "incomplete"
         raise UsageError(
             f"{checkpoint} has no config.json: it is {kind}, not a Hugging Face directory; export a torch-backend "
@@ -91,13 +116,30 @@ def export_checkpoint(save: Path, step: int | None, out: Path) -> str:
             f"{out} exists and is not an empty directory; pass a new or empty directory as OUT (export never "
             "overwrites)"
         )
+    merge_into = None
+    if lora and not adapter:
+        merge_into = base or torch_lora.read_adapter_config(checkpoint).get("base_model_name_or_path")
+        if not merge_into or not Path(merge_into).is_dir():
+            raise UsageError(
+                f"{checkpoint} holds LoRA adapters of the base model {merge_into or '(not recorded)'}, which is not a "
+                "directory here; pass --base DIR (the run's --hf-checkpoint) to merge them, or --adapter to copy them"
+            )
     try:
-        written = ckpt.export_hf_dir(checkpoint, out, replace=False)
+        if merge_into is not None:
+            written = torch_lora.write_merged(checkpoint, str(merge_into), out)
+        else:
+            written = ckpt.export_hf_dir(checkpoint, out, replace=False)
     except OSError as exc:
         raise UsageError(f"writing {out} failed ({exc}); pass an OUT on a writable filesystem with room") from exc
+    except ValueError as exc:
+        raise UsageError(f"merging {checkpoint} into {merge_into} failed: {exc}") from exc
     size = sum(path.stat().st_size for path in written) / (1 << 20)
     written_names = {path.name for path in written}
-    line = f"exported step {step} ({checkpoint}) to {out}: {', '.join(sorted(written_names))} ({size:.1f} MiB)"
+    what = f"merged into {merge_into}" if merge_into is not None else ("adapter" if lora else "")
+    line = (
+        f"exported step {step} ({checkpoint}{', ' + what if what else ''}) to {out}: "
+        f"{', '.join(sorted(written_names))} ({size:.1f} MiB)"
+    )
     if not any(all(name in written_names for name in group) for group in TOKENIZER_FILES):
         line += "; no tokenizer files in this checkpoint (saved by an older slime-rl): copy them from --hf-checkpoint"
     return line
@@ -106,5 +148,5 @@ def export_checkpoint(save: Path, step: int | None, out: Path) -> str:
 def run_export_cli(argv: Sequence[str]) -> int:
     """`slime-run export ...` with `argv` the words after `export`; returns the exit status."""
     ns = build_export_parser().parse_args(list(argv))
-    print(export_checkpoint(Path(ns.save), ns.step, Path(ns.out)))
+    print(export_checkpoint(Path(ns.save), ns.step, Path(ns.out), adapter=ns.adapter, base=ns.base))
     return 0

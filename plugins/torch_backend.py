@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from slime import hookimpl
 from slime.plugins import torch_checkpoint as ckpt
+from slime.plugins import torch_lora
 from slime.plugins.rl_losses import (
     METRIC_NAMES,
     pad_right,
@@ -99,10 +100,15 @@ class TorchTrainRayActor:
 
         load_root, step = self._checkpoint_to_load(settings)
         self.hf_source = self._hf_source(settings)
-        source = ckpt.iter_dir(load_root, step) if step is not None else self.hf_source
+        checkpoint = ckpt.iter_dir(load_root, step) if step is not None else None
+        # Under LoRA the base model always comes from --hf-checkpoint; a checkpoint holds the adapters only.
+        source = checkpoint if checkpoint is not None and not settings.lora.enabled else self.hf_source
         logger.info("rank %d loads the policy from %s", self.rank, source)
         # Weights stay float32 under --bf16 too: they are the optimizer's master weights (torch_parallel).
-        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        if settings.lora.enabled:
+            self.model = self._with_adapters(self.model, checkpoint)
+        self.model = self.model.to(self.device)
         self.model.train()
         # What training forwards call: the DDP wrapper, or the model itself (sharded in place under --fsdp).
         self.trained = self.parallel.prepare(self.model)
@@ -113,7 +119,8 @@ class TorchTrainRayActor:
             self.ref_model.eval().requires_grad_(False)
             self.parallel.prepare(self.ref_model, trainable=False)
         # Built after sharding: under FSDP the optimizer holds this rank's shards (DTensors) only.
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), settings.optimizer)
+        trainable = [parameter for parameter in self.model.parameters() if parameter.requires_grad]
+        self.optimizer, self.scheduler = build_optimizer(trainable, settings.optimizer)
         self.global_step = 0
         if step is not None:
             self._load_training_state(ckpt.iter_dir(load_root, step))
@@ -148,6 +155,16 @@ class TorchTrainRayActor:
 
         return str(ensure_tiny_model())
 
+    def _with_adapters(self, model: Any, checkpoint: Path | None) -> Any:
+        """`--lora-rank`: `model` (the base) with LoRA adapters, fresh or, when resuming, those of `checkpoint`."""
+        settings = self.settings.lora
+        wrapped = torch_lora.add_adapters(model, settings, seed=self.settings.seed, base=self.hf_source)
+        if checkpoint is not None:
+            torch_lora.check_shape(checkpoint, wrapped)
+            torch_lora.check_base(checkpoint, self.hf_source)
+            torch_lora.load_adapter_weights(wrapped, checkpoint)
+        return wrapped
+
     @staticmethod
     def _checkpoint_to_load(settings: TrainSettings) -> tuple[Path | None, int | None]:
         """`(root, step)` of the checkpoint `--load` / `--ckpt-step` select, or `(None, None)` to start fresh.
@@ -164,11 +181,22 @@ class TorchTrainRayActor:
             if step is None:
                 return None, None
         directory = ckpt.iter_dir(root, int(step))
-        if not (directory / "config.json").is_file():
+        adapters = torch_lora.is_adapter_checkpoint(directory)
+        if not adapters and not (directory / "config.json").is_file():
             raise FileNotFoundError(
                 f"model checkpoint {directory} is missing or incomplete (no config.json); "
                 "pick an existing step with --ckpt-step or fix latest_checkpointed_iteration.txt"
             )
+        if adapters != settings.lora.enabled:
+            held, fix = (
+                ("LoRA adapters", "add the LoRA flags (--lora-rank, ...) it was trained with")
+                if adapters
+                else (
+                    "full weights",
+                    "drop --lora-rank",
+                )
+            )
+            raise ValueError(f"model checkpoint {directory} holds {held}; to resume it, {fix} (or use a new --save)")
         return root, int(step)
 
     def _load_training_state(self, directory: Path) -> None:
@@ -401,7 +429,8 @@ class TorchTrainRayActor:
             if self._all_ok(error is None):
                 try:
                     # Every rank takes part in gathering the full states (collectives under FSDP); rank 0 writes.
-                    model_state = self.parallel.full_model_state(self.model)
+                    # Under LoRA the checkpoint holds the adapters, which rank 0 reads from its own replica.
+                    model_state = {} if self.settings.lora.enabled else self.parallel.full_model_state(self.model)
                     optimizer_state = None
                     if not self.settings.no_save_optim:
                         optimizer_state = self.parallel.optimizer_state(self.model, self.optimizer)
@@ -428,10 +457,14 @@ class TorchTrainRayActor:
         saved, no second serialization) to the flag's path, `{rollout_id}` replaced, replacing an older directory
         of that name atomically. Collective, so that every rank raises when it fails."""
         target = Path(str(self.settings.save_hf).replace("{rollout_id}", str(rollout_id)))
+        lora = self.settings.lora
         error: BaseException | None = None
         if self.rank == 0:
             try:
-                ckpt.export_hf_dir(checkpoint, target, replace=True)
+                if lora.enabled and lora.save_hf == "merged":
+                    self._export_weights(target, torch_lora.merged_state(self.model))
+                else:
+                    ckpt.export_hf_dir(checkpoint, target, replace=True)
             except BaseException as exc:
                 error = exc
         if not self._all_ok(error is None):
@@ -451,7 +484,10 @@ class TorchTrainRayActor:
         """The Hugging Face files (float32 weights, and the tokenizer files of `--hf-checkpoint`), the full
         optimizer state by parameter name (the same file whatever the world size and with or without --fsdp, see
         `slime.plugins.torch_parallel`) and the schedule."""
-        self.model.save_pretrained(staging, state_dict=model_state, safe_serialization=True)
+        if self.settings.lora.enabled:
+            torch_lora.write_adapter(self.model, staging)
+        else:
+            self.model.save_pretrained(staging, state_dict=model_state, safe_serialization=True)
         ckpt.copy_hf_side_files(self.hf_source, staging)
         if optimizer_state is not None:
             torch.save(optimizer_state, staging / ckpt.OPTIMIZER_FILE)
@@ -474,7 +510,7 @@ class TorchTrainRayActor:
             return  # no engines to send to (the same on every rank): nothing to gather
         error: BaseException | None = None
         try:
-            state = self.parallel.full_model_state(self.model)
+            state = self._served_state()
             if self.rank == 0:
                 if update.transport == "disk":
                     self._export_weights(Path(str(update.disk_dir)), state)
@@ -492,6 +528,13 @@ class TorchTrainRayActor:
                 f"weight update {update.version} ({update.transport}) to {where} failed: {error or 'on another rank'}"
             ) from error
 
+    def _served_state(self) -> dict[str, torch.Tensor]:
+        """The weights the engines serve, Hugging Face names, on rank 0 (`{}` elsewhere; a collective under FSDP):
+        the model's, or under LoRA the base weights with the adapters merged in."""
+        if self.settings.lora.enabled:
+            return torch_lora.merged_state(self.model) if self.rank == 0 else {}
+        return self.parallel.full_model_state(self.model)
+
     def _export_weights(self, target: Path, state: dict[str, torch.Tensor]) -> None:
         """Write the model's full `state` (float32, and the tokenizer files of its source) to `target` through a
         staging directory."""
@@ -500,7 +543,7 @@ class TorchTrainRayActor:
             target.parent.mkdir(parents=True, exist_ok=True)
             if staging.exists():
                 shutil.rmtree(staging)
-            self.model.save_pretrained(staging, state_dict=state, safe_serialization=True)
+            torch_lora.hf_model(self.model).save_pretrained(staging, state_dict=state, safe_serialization=True)
             ckpt.copy_hf_side_files(Path(self.hf_source), staging)
             ckpt.publish_dir(staging, target)
         except BaseException:
@@ -538,3 +581,10 @@ def slime_addoption(parser) -> None:
         help="shard weights, gradients and optimizer state over the training ranks with FSDP2 (per decoder layer, "
         "then the whole model; gloo on CPU, NCCL on GPU) instead of replicating them with DDP",
     )
+    torch_lora.add_options(parser)
+
+
+@hookimpl
+def slime_configure(args: Any) -> None:
+    """Refuse, while the arguments are parsed, LoRA flags this run cannot use (`slime.plugins.torch_lora`)."""
+    torch_lora.check_args(args)

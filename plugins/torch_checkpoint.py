@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from slime.plugins.torch_lora import ADAPTER_CONFIG_FILE
 from slime.utils.atomic_files import fsync_path, fsync_tree
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -110,8 +111,9 @@ def copy_hf_side_files(source_dir: str | os.PathLike, staging_dir: Path) -> list
 
 def hf_files(directory: Path) -> list[Path]:
     """The Hugging Face part of checkpoint `directory`: `config.json`, the safetensors weights (single or sharded,
-    with their index) and the `HF_SIDE_FILES` present; not the optimizer, RNG or scheduler state."""
-    names = {"config.json", WEIGHTS_INDEX_FILE, *HF_SIDE_FILES}
+    with their index; under LoRA the adapter and its `adapter_config.json`) and the `HF_SIDE_FILES` present; not the
+    optimizer, RNG or scheduler state."""
+    names = {"config.json", WEIGHTS_INDEX_FILE, ADAPTER_CONFIG_FILE, *HF_SIDE_FILES}
     return sorted(
         path
         for path in directory.iterdir()

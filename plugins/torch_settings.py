@@ -1,8 +1,9 @@
 """The torch training backend's settings: everything a rank reads from the run's arguments, validated once.
 
 `TorchTrainRayActor.init(args, ...)` builds `TrainSettings.from_args(args)`; the backend, its optimizer
-(`slime.plugins.torch_optim.OptimizerSettings`) and its loss (`slime.plugins.rl_losses.LossSettings`)
-read only this object afterwards. Attributes `args` lacks take the flags' defaults.
+(`slime.plugins.torch_optim.OptimizerSettings`), its loss (`slime.plugins.rl_losses.LossSettings`) and its
+adapters (`slime.plugins.torch_lora.LoraSettings`) read only this object afterwards. Attributes `args` lacks take
+the flags' defaults.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slime.plugins.rl_losses import LossSettings
+from slime.plugins.torch_lora import LoraSettings
 from slime.plugins.torch_optim import OptimizerSettings
 from slime.utils.settings import Settings, option, options_from_args
 
@@ -46,6 +48,8 @@ class TrainSettings(Settings):
     start_rollout_id: int | None = option("start_rollout_id", convert=int, minimum=0)
     loss: LossSettings = field(default_factory=LossSettings)
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    #: LoRA adapters instead of full fine-tuning when `lora.enabled` (`--lora-rank`; `slime.plugins.torch_lora`).
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
     @classmethod
     def from_args(cls, args: Any) -> TrainSettings:
@@ -54,4 +58,5 @@ class TrainSettings(Settings):
             **options_from_args(cls, args),
             loss=LossSettings.from_args(args),
             optimizer=OptimizerSettings.from_args(args),
+            lora=LoraSettings.from_args(args),
         )
