@@ -333,10 +333,15 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         "--lora-alpha",
         type=float,
         default=LoraSettings.alpha,
-        help="LoRA scaling numerator: updates are scaled by alpha / rank",
+        metavar="A",
+        help="scaling of the adapters: their product B A is multiplied by A / --lora-rank",
     )
     group.add_argument(
-        "--lora-dropout", type=float, default=LoraSettings.dropout, help="dropout on the adapters' input (training)"
+        "--lora-dropout",
+        type=float,
+        default=LoraSettings.dropout,
+        metavar="P",
+        help="dropout on the adapters' input while training",
     )
     group.add_argument(
         "--lora-target-modules",

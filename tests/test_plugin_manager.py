@@ -7,6 +7,7 @@ import pickle
 import re
 import subprocess
 import sys
+import sysconfig
 import types
 from pathlib import Path
 
@@ -243,10 +244,22 @@ def test_every_hook_is_documented_with_its_arguments():
 
 
 @pytest.mark.slow
-def test_third_party_plugin_installs_with_pip_and_loads(tmp_path):
-    venv = tmp_path / "venv"
+def _venv_seeing_this_environment(venv: Path) -> Path:
+    """A new virtualenv whose interpreter sees every package this test process sees: this environment's
+    site-packages come before the system's, with their `.pth` files processed (editable installs), so the plugin is
+    built with this environment's setuptools and wheel and loads against the slime under test, not whatever the
+    base interpreter happens to have installed. Returns its python."""
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     python = venv / "bin" / "python"
+    query = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site_packages = subprocess.run([str(python), "-c", query], check=True, capture_output=True, text=True).stdout
+    here = sysconfig.get_paths()["purelib"]
+    (Path(site_packages.strip()) / "_test_environment.pth").write_text(f"import site; site.addsitedir({here!r})\n")
+    return python
+
+
+def test_third_party_plugin_installs_with_pip_and_loads(tmp_path):
+    python = _venv_seeing_this_environment(tmp_path / "venv")
     subprocess.run(
         [
             str(python),

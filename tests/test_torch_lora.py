@@ -336,3 +336,12 @@ def test_lora_flags_parse_into_the_backend_settings() -> None:
     settings = TrainSettings.from_args(args).lora
     assert settings.enabled and settings.rank == 8 and settings.targets == ["q_proj", "v_proj"]
     assert settings.save_hf == "merged"
+
+
+def test_adapters_train_under_gradient_checkpointing_and_bf16(tiny: Path, tmp_path: Path) -> None:
+    actor = _actor(_args(tiny, tmp_path / "save", gradient_checkpointing=True, bf16=True))
+    before = {name: tensor.clone() for name, tensor in torch_lora.adapter_state(actor.model).items()}
+    metrics = actor.train_from_data(0, _batch())
+    assert metrics["train/grad_norm"] > 0
+    after = torch_lora.adapter_state(actor.model)
+    assert any(not torch.equal(before[name], after[name]) for name in before if "lora_B" in name)

@@ -1,0 +1,93 @@
+"""LoRA end to end on the CPU demo (`--lora-rank 8`, docs/lora.md's settings).
+
+- A run killed at random moments (every process at once) and rerun ends with bitwise the adapters, the rewards and
+  the losses of an uninterrupted run: a resume restores the adapters, their optimizer state and the RNG exactly.
+  Its checkpoints hold adapters only, and every step trained its batch exactly once across the kills.
+- The reward rises above what the untrained model scores (docs/lora.md says how far LoRA gets on the demo's randomly
+  initialised model, and why).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slime.testing import run_records
+from slime.testing.chaos import KillPlan, joint_commit_count, run_with_kills
+from slime.utils.external_utils.slime_run_process import SlimeRunProcess
+
+pytest.importorskip("peft")
+
+#: docs/lora.md: rank 8 adapters on every linear layer, every RMSNorm trained in full, a learning rate for adapters.
+LORA_FLAGS = ["--lora-rank", "8", "--lora-modules-to-save", "norm", "--lr", "0.03"]
+RUN_TIMEOUT_S = 420
+COMPARED_METRICS = ("rollout/reward", "train/loss", "train/pg_loss", "train/grad_norm")
+
+
+def _args(save: Path, num_rollout: int, save_interval: int) -> list[str]:
+    steps = ["--num-rollout", str(num_rollout), "--save-interval", str(save_interval), "--save", str(save)]
+    return ["--plugin", "straw", *LORA_FLAGS, *steps]
+
+
+def _run_to_end(args: list[str], save: Path, log: Path) -> None:
+    save.parent.mkdir(parents=True, exist_ok=True)
+    SlimeRunProcess(args, log, cwd=save.parent).finish(RUN_TIMEOUT_S)
+
+
+def _metrics_by_step(save: Path) -> dict[int, dict[str, float]]:
+    values: dict[int, dict[str, float]] = {}
+    for line in (save / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        for key in COMPARED_METRICS:
+            if key in record:
+                values.setdefault(record["step"], {})[key] = record[key]
+    return values
+
+
+def _final_adapter(save: Path, step: int) -> dict:
+    from safetensors.torch import load_file
+
+    from slime.plugins import torch_lora
+
+    found = sorted(save.glob(f"**/iter_{step:07d}/{torch_lora.ADAPTER_WEIGHTS_FILE}"))
+    assert len(found) == 1, f"expected one final adapter under {save}, found {found}"
+    return load_file(found[0])
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_killed_lora_run_resumes_to_bitwise_the_adapters_of_an_uninterrupted_one(tmp_path: Path) -> None:
+    import torch
+
+    num_rollout, interval = 8, 2
+    reference = tmp_path / "uninterrupted" / "run"
+    _run_to_end(_args(reference, num_rollout, interval), reference, tmp_path / "uninterrupted.log")
+
+    save = tmp_path / "killed" / "run"
+    save.parent.mkdir(parents=True)
+    args = _args(save, num_rollout, interval)
+    plan = KillPlan(kills=3, seed=4)
+    kills = run_with_kills(args, save, tmp_path / "killed.log", plan, commit_count=joint_commit_count)
+    _run_to_end(args, save, tmp_path / "killed.log")
+
+    assert _metrics_by_step(save) == _metrics_by_step(reference), f"kills: {kills}"
+    expected, got = _final_adapter(reference, num_rollout - 1), _final_adapter(save, num_rollout - 1)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[name], got[name]) for name in expected), f"kills: {kills}"
+    committed = list(run_records.commits(reference))
+    assert committed and list(run_records.commits(save)) == committed
+    run_records.assert_trained_once(save, committed)
+    for directory in save.glob("**/iter_*"):
+        assert not (directory / "model.safetensors").exists(), f"{directory} holds full weights under LoRA"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_the_lora_demo_raises_its_reward(tmp_path: Path) -> None:
+    save = tmp_path / "run"
+    _run_to_end(_args(save, 40, 1000), save, tmp_path / "run.log")
+    rewards = [reward for _, reward in sorted(run_records.rewards(save))]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last >= 2 * first and last >= 0.08, rewards
