@@ -4,7 +4,7 @@
   the losses of an uninterrupted run: a resume restores the adapters, their optimizer state and the RNG exactly.
   Its checkpoints hold adapters only, and every step trained its batch exactly once across the kills.
 - The reward rises above what the untrained model scores (docs/lora.md says how far LoRA gets on the demo's randomly
-  initialised model, and why).
+  initialised model, and why); in `nox -s extended`, to keep CI within its time budget.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def test_a_killed_lora_run_resumes_to_bitwise_the_adapters_of_an_uninterrupted_o
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.extended  # about 140 s; `nox -s extended` runs it, CI's time goes to the resume test above
 def test_the_lora_demo_raises_its_reward(tmp_path: Path) -> None:
     save = tmp_path / "run"
     _run_to_end(_args(save, 40, 1000), save, tmp_path / "run.log")
