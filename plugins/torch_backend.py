@@ -187,16 +187,15 @@ class TorchTrainRayActor:
                 f"model checkpoint {directory} is missing or incomplete (no config.json); "
                 "pick an existing step with --ckpt-step or fix latest_checkpointed_iteration.txt"
             )
-        if adapters != settings.lora.enabled:
-            held, fix = (
-                ("LoRA adapters", "add the LoRA flags (--lora-rank, ...) it was trained with")
-                if adapters
-                else (
-                    "full weights",
-                    "drop --lora-rank",
-                )
+        if adapters and not settings.lora.enabled:
+            raise ValueError(
+                f"model checkpoint {directory} holds LoRA adapters; to resume it, add the LoRA flags "
+                "(--lora-rank, ...) it was trained with (or use a new --save)"
             )
-            raise ValueError(f"model checkpoint {directory} holds {held}; to resume it, {fix} (or use a new --save)")
+        if settings.lora.enabled and not adapters:
+            raise ValueError(
+                f"model checkpoint {directory} holds full weights; to resume it, drop --lora-rank (or use a new --save)"
+            )
         return root, int(step)
 
     def _load_training_state(self, directory: Path) -> None:
@@ -538,17 +537,7 @@ class TorchTrainRayActor:
     def _export_weights(self, target: Path, state: dict[str, torch.Tensor]) -> None:
         """Write the model's full `state` (float32, and the tokenizer files of its source) to `target` through a
         staging directory."""
-        staging = target.with_name(f".{target.name}.partial")
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if staging.exists():
-                shutil.rmtree(staging)
-            torch_lora.hf_model(self.model).save_pretrained(staging, state_dict=state, safe_serialization=True)
-            ckpt.copy_hf_side_files(Path(self.hf_source), staging)
-            ckpt.publish_dir(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        ckpt.write_hf_model(torch_lora.hf_model(self.model), state, target, [self.hf_source], replace=True)
 
 
 @hookimpl

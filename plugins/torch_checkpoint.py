@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,27 @@ def copy_hf_side_files(source_dir: str | os.PathLike, staging_dir: Path) -> list
             shutil.copyfile(source, staging_dir / name)
             copied.append(name)
     return copied
+
+
+def write_hf_model(
+    model: Any, state: dict[str, Any], target: Path, side_file_sources: Sequence[str | os.PathLike], *, replace: bool
+) -> None:
+    """Write `state` through `model.save_pretrained` (config and safetensors weights) and the `HF_SIDE_FILES` of
+    `side_file_sources` (the first that has a file wins) to `target`, which appears complete or not at all: assembled
+    in the hidden sibling `.<target>.partial`, then published (`publish_dir`; `replace=False` refuses a `target` that
+    is not an empty directory)."""
+    staging = target.with_name(f".{target.name}.partial")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if staging.exists():
+            shutil.rmtree(staging)
+        model.save_pretrained(staging, state_dict=state, safe_serialization=True)
+        for source in side_file_sources:
+            copy_hf_side_files(source, staging)
+        publish_dir(staging, target, replace=replace)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def hf_files(directory: Path) -> list[Path]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -276,18 +275,7 @@ def write_merged(checkpoint: Path, base: str, target: Path) -> list[Path]:
     wrapped = add_adapters(model, settings_of(checkpoint), seed=0, base=base)
     check_shape(checkpoint, wrapped)
     load_adapter_weights(wrapped, checkpoint)
-    staging = target.with_name(f".{target.name}.partial")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if staging.exists():
-            shutil.rmtree(staging)
-        hf_model(wrapped).save_pretrained(staging, state_dict=merged_state(wrapped), safe_serialization=True)
-        ckpt.copy_hf_side_files(checkpoint, staging)
-        ckpt.copy_hf_side_files(base, staging)
-        ckpt.publish_dir(staging, target, replace=False)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    ckpt.write_hf_model(hf_model(wrapped), merged_state(wrapped), target, [checkpoint, base], replace=False)
     return sorted(target.iterdir())
 
 

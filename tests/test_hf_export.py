@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch_batches import tiny_model_batch
 
 from slime.cli import main
 from slime.plugins import torch_checkpoint as ckpt
@@ -19,20 +20,6 @@ from slime.plugins.tiny_model import ensure_tiny_model
 from slime.plugins.torch_backend import TorchTrainRayActor
 from slime.plugins.torch_settings import TrainSettings
 from slime.utils.arguments import parse_args
-
-RESPONSE_LEN = 3
-
-
-def _batch() -> dict:
-    """Two prompts, two responses each (token ids inside the tiny model's vocabulary), the first one rewarded."""
-    tokens = [[5, 6, 7, 8, 10 + i, 11 + i, 12 + i] for i in range(4)]
-    return {
-        "tokens": [torch.tensor(t) for t in tokens],
-        "response_lengths": [RESPONSE_LEN] * 4,
-        "loss_masks": [torch.ones(RESPONSE_LEN, dtype=torch.int32) for _ in range(4)],
-        "rewards": [1.0, 0.0, 1.0, 0.0],
-        "total_lengths": [len(t) for t in tokens],
-    }
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +42,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
     actor = TorchTrainRayActor(world_size=1, rank=0)
     actor.init(args, "actor")
     actor.save_model(0)
-    actor.train_from_data(0, _batch())
+    actor.train_from_data(0, tiny_model_batch())
     actor.save_model(1)
     return types.SimpleNamespace(root=root, tiny=tiny, save=root / "save", hf=root / "hf", actor=actor)
 

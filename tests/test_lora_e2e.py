@@ -9,14 +9,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from slime.testing import run_records
 from slime.testing.chaos import KillPlan, joint_commit_count, run_with_kills
-from slime.utils.external_utils.slime_run_process import SlimeRunProcess
 
 pytest.importorskip("peft")
 
@@ -29,21 +27,6 @@ COMPARED_METRICS = ("rollout/reward", "train/loss", "train/pg_loss", "train/grad
 def _args(save: Path, num_rollout: int, save_interval: int) -> list[str]:
     steps = ["--num-rollout", str(num_rollout), "--save-interval", str(save_interval), "--save", str(save)]
     return ["--plugin", "straw", *LORA_FLAGS, *steps]
-
-
-def _run_to_end(args: list[str], save: Path, log: Path) -> None:
-    save.parent.mkdir(parents=True, exist_ok=True)
-    SlimeRunProcess(args, log, cwd=save.parent).finish(RUN_TIMEOUT_S)
-
-
-def _metrics_by_step(save: Path) -> dict[int, dict[str, float]]:
-    values: dict[int, dict[str, float]] = {}
-    for line in (save / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        for key in COMPARED_METRICS:
-            if key in record:
-                values.setdefault(record["step"], {})[key] = record[key]
-    return values
 
 
 def _final_adapter(save: Path, step: int) -> dict:
@@ -63,16 +46,19 @@ def test_a_killed_lora_run_resumes_to_bitwise_the_adapters_of_an_uninterrupted_o
 
     num_rollout, interval = 8, 2
     reference = tmp_path / "uninterrupted" / "run"
-    _run_to_end(_args(reference, num_rollout, interval), reference, tmp_path / "uninterrupted.log")
+    run_records.run_to_end(
+        _args(reference, num_rollout, interval), reference, tmp_path / "uninterrupted.log", RUN_TIMEOUT_S
+    )
 
     save = tmp_path / "killed" / "run"
     save.parent.mkdir(parents=True)
     args = _args(save, num_rollout, interval)
     plan = KillPlan(kills=3, seed=4)
     kills = run_with_kills(args, save, tmp_path / "killed.log", plan, commit_count=joint_commit_count)
-    _run_to_end(args, save, tmp_path / "killed.log")
+    run_records.run_to_end(args, save, tmp_path / "killed.log", RUN_TIMEOUT_S)
 
-    assert _metrics_by_step(save) == _metrics_by_step(reference), f"kills: {kills}"
+    expected_metrics = run_records.metrics_by_step(reference, COMPARED_METRICS)
+    assert run_records.metrics_by_step(save, COMPARED_METRICS) == expected_metrics, f"kills: {kills}"
     expected, got = _final_adapter(reference, num_rollout - 1), _final_adapter(save, num_rollout - 1)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[name], got[name]) for name in expected), f"kills: {kills}"
@@ -88,7 +74,7 @@ def test_a_killed_lora_run_resumes_to_bitwise_the_adapters_of_an_uninterrupted_o
 @pytest.mark.extended  # about 140 s; `nox -s extended` runs it, CI's time goes to the resume test above
 def test_the_lora_demo_raises_its_reward(tmp_path: Path) -> None:
     save = tmp_path / "run"
-    _run_to_end(_args(save, 40, 1000), save, tmp_path / "run.log")
+    run_records.run_to_end(_args(save, 40, 1000), save, tmp_path / "run.log", RUN_TIMEOUT_S)
     rewards = [reward for _, reward in sorted(run_records.rewards(save))]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last >= 2 * first and last >= 0.08, rewards

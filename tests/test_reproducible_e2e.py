@@ -11,15 +11,14 @@ sample identities, so that comparison is straw's only.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from slime.testing import run_records
 from slime.testing.chaos import KillPlan, joint_commit_count, run_with_kills, tracked_checkpoint_count
-from slime.utils.external_utils.slime_run_process import SlimeRunProcess
 
 NUM_ROLLOUT = 8
 SAVE_INTERVAL = 2
@@ -36,22 +35,6 @@ def _args(save: Path, transport: str, seed: int | None = None) -> list[str]:
     )
     steps = ["--num-rollout", str(NUM_ROLLOUT), "--save-interval", str(SAVE_INTERVAL), "--save", str(save)]
     return [*chosen, *steps, *(["--rollout-seed", str(seed)] if seed is not None else [])]
-
-
-def _run_to_end(args: list[str], save: Path, log: Path) -> None:
-    save.parent.mkdir(parents=True, exist_ok=True)
-    SlimeRunProcess(args, log, cwd=save.parent).finish(RUN_TIMEOUT_S)
-
-
-def _metrics_by_step(save: Path) -> dict[int, dict[str, float]]:
-    """The latest value of each compared metric per step (a step rerun after a kill logs its lines again)."""
-    values: dict[int, dict[str, float]] = {}
-    for line in (save / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        for key in COMPARED_METRICS:
-            if key in record:
-                values.setdefault(record["step"], {})[key] = record[key]
-    return values
 
 
 def _final_weights(save: Path) -> dict[str, torch.Tensor]:
@@ -83,7 +66,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     runs = {}
     for transport in ("straw", "object-store"):
         save = root / transport / "run"
-        _run_to_end(_args(save, transport), save, root / f"{transport}.log")
+        run_records.run_to_end(_args(save, transport), save, root / f"{transport}.log", RUN_TIMEOUT_S)
         runs[transport] = save
     return runs
 
@@ -100,12 +83,12 @@ def test_a_killed_and_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(
     args = _args(save, transport)
     count = joint_commit_count if transport == "straw" else tracked_checkpoint_count
     kills = run_with_kills(args, save, log, KillPlan(kills=3, seed=seed), commit_count=count)
-    _run_to_end(args, save, log)
+    run_records.run_to_end(args, save, log, RUN_TIMEOUT_S)
 
     reference = uninterrupted[transport]
-    expected = _metrics_by_step(reference)
+    expected = run_records.metrics_by_step(reference, COMPARED_METRICS)
     assert sorted(expected) == list(range(NUM_ROLLOUT))
-    assert _metrics_by_step(save) == expected, f"kills: {kills}"
+    assert run_records.metrics_by_step(save, COMPARED_METRICS) == expected, f"kills: {kills}"
     if transport == "straw":
         samples = _trained_samples(save)
         assert samples == _trained_samples(reference), f"kills: {kills}"
@@ -118,9 +101,10 @@ def test_a_killed_and_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(
 def test_another_seed_gives_another_run(uninterrupted: dict[str, Path], tmp_path: Path) -> None:
     """The check above can fail: the same command with only `--rollout-seed` changed samples differently."""
     save = tmp_path / "run"
-    _run_to_end(_args(save, "straw", seed=7), save, tmp_path / "run.log")
+    run_records.run_to_end(_args(save, "straw", seed=7), save, tmp_path / "run.log", RUN_TIMEOUT_S)
     reference = uninterrupted["straw"]
     assert _trained_samples(save)[0] != _trained_samples(reference)[0]
-    assert _metrics_by_step(save) != _metrics_by_step(reference)
+    expected = run_records.metrics_by_step(reference, COMPARED_METRICS)
+    assert run_records.metrics_by_step(save, COMPARED_METRICS) != expected
     weights, other = _final_weights(reference), _final_weights(save)
     assert any(not torch.equal(weights[name], other[name]) for name in weights)

@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("peft")
 
+from torch_batches import tiny_model_batch  # noqa: E402
+
 from slime.cli import main  # noqa: E402
 from slime.plugins import torch_checkpoint as ckpt  # noqa: E402
 from slime.plugins import torch_lora  # noqa: E402
@@ -20,20 +22,6 @@ from slime.plugins.tiny_model import ensure_tiny_model  # noqa: E402
 from slime.plugins.torch_backend import TorchTrainRayActor  # noqa: E402
 from slime.utils.arguments import parse_args  # noqa: E402
 from slime.weight_sync import WeightUpdate  # noqa: E402
-
-RESPONSE_LEN = 3
-
-
-def _batch() -> dict:
-    """Two prompts, two responses each (token ids inside the tiny model's vocabulary), the first one rewarded."""
-    tokens = [[5, 6, 7, 8, 10 + i, 11 + i, 12 + i] for i in range(4)]
-    return {
-        "tokens": [torch.tensor(t) for t in tokens],
-        "response_lengths": [RESPONSE_LEN] * 4,
-        "loss_masks": [torch.ones(RESPONSE_LEN, dtype=torch.int32) for _ in range(4)],
-        "rewards": [1.0, 0.0, 1.0, 0.0],
-        "total_lengths": [len(t) for t in tokens],
-    }
 
 
 def _args(tiny: Path, save: Path, **overrides: object) -> types.SimpleNamespace:
@@ -81,7 +69,7 @@ def trained(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> types.Simpl
     root = tmp_path_factory.mktemp("lora-run")
     args = _args(tiny, root / "save", save_hf=str(root / "hf" / "{rollout_id}"))
     actor = _actor(args)
-    actor.train_from_data(0, _batch())
+    actor.train_from_data(0, tiny_model_batch())
     actor.save_model(0)
     return types.SimpleNamespace(root=root, args=args, actor=actor, checkpoint=ckpt.iter_dir(root / "save", 0))
 
@@ -261,7 +249,7 @@ def test_save_hf_adapter_copies_the_adapter(tiny: Path, tmp_path: Path) -> None:
 
     args = _args(tiny, tmp_path / "save", save_hf=str(tmp_path / "hf"), lora_save_hf="adapter")
     actor = _actor(args)
-    actor.train_from_data(0, _batch())
+    actor.train_from_data(0, tiny_model_batch())
     actor.save_model(0)
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32), tmp_path / "hf")
     tokens = torch.tensor([[5, 6, 7, 8, 9]])
@@ -341,7 +329,7 @@ def test_lora_flags_parse_into_the_backend_settings() -> None:
 def test_adapters_train_under_gradient_checkpointing_and_bf16(tiny: Path, tmp_path: Path) -> None:
     actor = _actor(_args(tiny, tmp_path / "save", gradient_checkpointing=True, bf16=True))
     before = {name: tensor.clone() for name, tensor in torch_lora.adapter_state(actor.model).items()}
-    metrics = actor.train_from_data(0, _batch())
+    metrics = actor.train_from_data(0, tiny_model_batch())
     assert metrics["train/grad_norm"] > 0
     after = torch_lora.adapter_state(actor.model)
     assert any(not torch.equal(before[name], after[name]) for name in before if "lora_B" in name)

@@ -95,6 +95,25 @@ def run_until_reward_target(
         time.sleep(1.0)
 
 
+def run_to_end(args: list[str], save: Path, log: Path, timeout_s: float) -> None:
+    """Run `slime-run ARGS` (writing under `save`, from its parent directory) to its end; RuntimeError with the log's
+    tail when it fails, and a kill past `timeout_s` (`SlimeRunProcess.finish`)."""
+    save.parent.mkdir(parents=True, exist_ok=True)
+    SlimeRunProcess(args, log, cwd=save.parent).finish(timeout_s)
+
+
+def metrics_by_step(save: Path, keys: tuple[str, ...]) -> dict[int, dict[str, float]]:
+    """The latest value of each of `keys` per step of the run's `metrics.jsonl` (a step rerun after a kill logs its
+    lines again)."""
+    values: dict[int, dict[str, float]] = {}
+    for line in (save / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        for key in keys:
+            if key in record:
+                values.setdefault(record["step"], {})[key] = record[key]
+    return values
+
+
 def rewards(save: Path) -> list[tuple[int, float]]:
     """`(step, rollout/reward)` of every line of the run's `metrics.jsonl`, in file order."""
     lines = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines() if line.strip()]
