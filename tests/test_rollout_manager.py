@@ -236,3 +236,69 @@ def test_rollout_examples_are_the_first_answer_of_the_first_groups():
     ]
     chat = Sample(group_index=0, prompt=[{"role": "user", "content": "hi"}], response="x", reward=1.0)
     assert logging_utils.rollout_examples([chat], args)[0]["prompt"] == '[{"role": "user", "content": "hi"}]'
+
+
+def _straw_args(tmp_path, **extra):
+    return SimpleNamespace(
+        rollout_data_transport="straw",
+        rollout_data_dir=str(tmp_path),
+        data_source_path="source",
+        rollout_function_path="sglang",
+        **extra,
+    )
+
+
+def _patch_components(monkeypatch, calls):
+    """The manager's queue controller as a fake handle whose close and kill are logged in `calls`."""
+    from slime.data import queue_data_source
+
+    handle = fake_actor_handle(RolloutQueueController, close=lambda: calls.append("controller closed"))
+    monkeypatch.setattr(queue_data_source, "create_queue_controller", lambda *a, **kw: handle)
+    monkeypatch.setattr(rollout, "load_function", lambda path: _Source if path == "source" else print)
+    monkeypatch.setattr(rollout.ray, "get", lambda value, **kw: value)
+    monkeypatch.setattr(rollout.ray, "kill", lambda h, **kw: calls.append("controller killed"))
+
+
+def test_engines_start_while_the_storage_probe_runs_and_are_stopped_when_it_fails(monkeypatch, tmp_path):
+    import threading
+
+    from slime import backend_interfaces
+
+    calls: list = []
+    probing = threading.Event()
+    server = _server(["http://a"])
+    monkeypatch.setattr(server, "shutdown", lambda: calls.append("engines stopped"))
+
+    def launch(args, launcher):
+        # Returns only once the probe has started: with a launch that waited for the probe this would time out.
+        calls.append(("launch saw the probe running", probing.wait(timeout=10)))
+        return {"model": server}
+
+    def probe(args):
+        probing.set()
+        raise OSError("the pool at /shared/pool is read-only")
+
+    _patch_components(monkeypatch, calls)
+    monkeypatch.setattr(backend_interfaces, "resolve_engine_launcher", lambda args: "cpu launcher")
+    monkeypatch.setattr(serving, "launch_rollout_servers", launch)
+    monkeypatch.setattr(rollout, "check_rollout_storage", probe)
+    with pytest.raises(OSError, match="read-only"):
+        Manager(_straw_args(tmp_path), None)
+    assert calls == [("launch saw the probe running", True), "engines stopped"]
+
+
+def test_an_engine_launch_that_fails_releases_the_controller_the_manager_created(monkeypatch, tmp_path):
+    from slime import backend_interfaces
+
+    calls: list = []
+
+    def launch(args, launcher):
+        raise RuntimeError("CPU engine 1/2 did not come up")
+
+    _patch_components(monkeypatch, calls)
+    monkeypatch.setattr(backend_interfaces, "resolve_engine_launcher", lambda args: "cpu launcher")
+    monkeypatch.setattr(serving, "launch_rollout_servers", launch)
+    monkeypatch.setattr(rollout, "check_rollout_storage", lambda _: None)
+    with pytest.raises(RuntimeError, match="did not come up"):
+        Manager(_straw_args(tmp_path), None)
+    assert calls == ["controller closed", "controller killed"]

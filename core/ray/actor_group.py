@@ -17,7 +17,7 @@ manager (tools, tests) has no engines: its ranks get updates with no engine URLs
 With `--release-train` the ranks are killed after every weight export and re-created (`create`) for the
 next step from the checkpoint the last `save_model` wrote.
 
-Constructing a group touches neither Ray nor GPUs; `create` does.
+Constructing a group touches neither Ray nor GPUs; `spawn` (start the rank processes) and `create` do.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class RayTrainGroup:
         self._rollout_manager: Any = None
         self._weight_version = self.settings.update_weight_start_version
         self._actor_handlers: list[Any] = []
+        self._awaiting_init = False
 
     @property
     def world_size(self) -> int:
@@ -95,14 +96,28 @@ class RayTrainGroup:
 
     # ---------------------------------------------------------------- lifecycle
 
+    def spawn(self) -> None:
+        """Create the ranks' Ray actors without waiting for them or initializing them.
+
+        Their processes start and import the training backend (seconds of CPU each: torch, transformers) in the
+        background, so a driver that spawns before it waits for the engines overlaps the two; `create` then
+        registers the ranks with the rollout manager and initializes them. Does nothing once ranks exist.
+        """
+        if not self._actor_handlers:
+            self.args.update_weight_start_version = self._weight_version
+            self._allocate_gpus_for_actor(self._pg, self._num_gpus_per_actor)
+            self._awaiting_init = True
+
     def create(self, rollout_manager: Any = None) -> list[int] | None:
-        """Start the ranks and initialize them; returns each rank's first rollout id (None if already running)."""
+        """Start the ranks (unless `spawn` did), register them with the rollout manager and initialize them;
+        returns each rank's first rollout id (None if they were already initialized)."""
         if rollout_manager is not None:
             self._rollout_manager = rollout_manager
-        if self._actor_handlers:
+        if self._actor_handlers and not self._awaiting_init:
             return None
-        self.args.update_weight_start_version = self._weight_version
-        self._allocate_gpus_for_actor(self._pg, self._num_gpus_per_actor)
+        self.spawn()
+        self._awaiting_init = False
+        self._register_with_rollout_manager()
         return ray.get(
             [
                 actor.init.remote(self.args, self.role, with_ref=self.with_ref, with_opd_teacher=self.with_opd_teacher)
@@ -160,7 +175,6 @@ class RayTrainGroup:
                 scheduling_strategy=strategy,
             ).remote()
             self._actor_handlers.append(handle)
-        self._register_with_rollout_manager()
 
     def _register_with_rollout_manager(self) -> None:
         """Tell the rollout manager about the new ranks and adopt the configuration it returns.

@@ -20,6 +20,7 @@ import copy
 import logging
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
 from types import MappingProxyType
 from typing import Any
 
@@ -96,23 +97,33 @@ class RolloutManager:
         self.weight_version = self.settings.update_weight_start_version
         self.rollout_id = -1
         self.train_actors: dict[str, list] = {}
-        check_rollout_storage(args)
-
-        if self.settings.debug_train_only:
-            self.servers: dict = {}
-        elif deployment is not None:
-            self.servers = deployment.servers
-        else:
+        self.servers: dict = deployment.servers if deployment is not None else {}
+        self._publish_engine_urls()  # a serving deployment's engines: known now, and seen by the components
+        launch = deployment is None and not self.settings.debug_train_only
+        if launch:
+            from slime.backend_interfaces import resolve_engine_launcher
             from slime.ray.serving import launch_rollout_servers
 
-            self.servers = launch_rollout_servers(args)
-            self._launched_servers = True
-        self._publish_engine_urls()
+            engine_launcher = resolve_engine_launcher(args)  # an unknown engine fails here, before anything starts
+        # Engines take seconds to come up (their processes import torch and load the model): the storage probe, the
+        # data source and its queue service start on a thread meanwhile; none needs the engines' URLs (published
+        # after). The engines and the router start on this thread: a child process started with `die_with_parent`
+        # (the router) dies with the thread that started it.
+        pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-components")
+        preparing = pool.submit(self._prepare_components, args, restore_plan)
+        pool.shutdown(wait=False)
         try:
-            self._init_components(restore_plan)
-        except BaseException:
+            if launch:
+                self.servers = launch_rollout_servers(args, engine_launcher)
+                self._launched_servers = True
+            preparing.result()
+        except BaseException as exc:
+            wait([preparing])  # release nothing the thread is still creating
+            if preparing.exception() not in (None, exc):
+                logger.error("preparing the rollout components failed too", exc_info=preparing.exception())
             self._release_after_failed_init()
             raise
+        self._publish_engine_urls()
         # Engines this manager started are its to watch; a serving cluster watches its own.
         self._health_monitors = start_health_monitors(self.servers, args) if self._launched_servers else []
         init_tracking(args, primary=False)
@@ -148,6 +159,11 @@ class RolloutManager:
         from slime.data.batch_builder import BatchBuilder
 
         self.batch_builder = BatchBuilder(args, controller=self.controller)
+
+    def _prepare_components(self, args: Any, restore_plan: Any) -> None:
+        """What the manager needs besides the engines: the pool checked from every node, then its components."""
+        check_rollout_storage(args)
+        self._init_components(restore_plan)
 
     def _release_after_failed_init(self) -> None:
         """A constructor failure must not leave engines or an owned controller behind."""

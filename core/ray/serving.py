@@ -166,8 +166,9 @@ def engine_weight_version(urls: list[str], *, allow_inconsistent: bool = False) 
     return numbers[0]
 
 
-def launch_rollout_servers(args: Any) -> dict[str, RolloutServer]:
-    """Start the engines of `--rollout-engine` (default "cpu"); returns `{"model": RolloutServer}`.
+def launch_rollout_servers(args: Any, engine_launcher: Any = None) -> dict[str, RolloutServer]:
+    """Start the engines of `--rollout-engine` (default "cpu"; `engine_launcher`, its launcher, when the caller
+    has resolved it already); returns `{"model": RolloutServer}`.
 
     With `--rollout-router sglang-router` (or "auto" and several engines, the package installed) an sglang-router
     is started in front of them and its address is
@@ -177,7 +178,8 @@ def launch_rollout_servers(args: Any) -> dict[str, RolloutServer]:
     from slime.backend_interfaces import resolve_engine_launcher
 
     settings = ServingSettings.from_args(args)
-    server = RolloutServer.launch(args, resolve_engine_launcher(args), settings.num_engines, settings.engine)
+    launcher = engine_launcher if engine_launcher is not None else resolve_engine_launcher(args)
+    server = RolloutServer.launch(args, launcher, settings.num_engines, settings.engine)
     if settings.router_to_start == "sglang-router":
         log_path = Path(settings.save).expanduser() / "logs" / "sglang-router.log" if settings.save else None
         try:
