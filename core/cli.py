@@ -45,14 +45,16 @@ def list_plugins(argv: Sequence[str]) -> int:
 
 
 def request_ray_token_auth() -> None:
-    """Ask Ray for token authentication explicitly (`RAY_AUTH_MODE=token`) for the local cluster a run starts.
+    """Ask Ray for token authentication explicitly (`RAY_AUTH_MODE=token`).
 
     Ray turns it on by default for a new local cluster and then warns about it at every start; asking for it keeps
-    the protection and drops the warning. Ray reads the variable once, when it is imported, so this runs before the
-    training driver imports Ray, and does nothing where the user chose a mode, joins a cluster (`RAY_ADDRESS`), or
-    Ray is already imported (the default then stands, warning included).
+    the protection and drops the warning. A driver joining a cluster (`--ray-address`) needs it too: `ray start
+    --head` turns token authentication on by default, refuses a driver without the token (read from this user's
+    `~/.ray`) and Ray retries that without end; a token-mode driver also joins a cluster started without it.
+    Ray reads the variable once, when it is imported, so this runs before the training driver imports Ray, and
+    does nothing where the user chose a mode or Ray is already imported (the default then stands).
     """
-    if "ray" in sys.modules or "RAY_ADDRESS" in os.environ or "RAY_AUTH_MODE" in os.environ:
+    if "ray" in sys.modules or "RAY_AUTH_MODE" in os.environ:
         return
     os.environ["RAY_AUTH_MODE"] = "token"
 

@@ -45,6 +45,7 @@ from slime.observability.logging_utils import (
     verbose_requested,
 )
 from slime.observability.phase_timer import PhaseTimer
+from slime.ray.cluster import RaySettings, start_ray
 from slime.ray.placement_group import create_placement_groups, create_rollout_manager, create_training_models
 from slime.ray.settings import DriverSettings, InputSettings, check_run_settings
 from slime.storage_errors import fault_message, storage_fault
@@ -240,8 +241,7 @@ def _run(args: Any) -> int:
     except (OSError, ValueError) as exc:  # the run's own input files, before anything starts
         raise UsageError(str(exc)) from exc
     check_run_settings(args)
-    if not ray.is_initialized():
-        ray.init(logging_level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING)
+    start_ray(RaySettings.from_environment(args))
     init_tracking(args)
     rollout_manager = None
     try:

@@ -113,3 +113,24 @@ def test_determinism_benchmark_rejects_steps_that_leave_nothing_to_measure(tmp_p
     completed = _run("benchmarks.determinism", "--steps", "1", "--warmup", "1", "--out", str(out), timeout=60)
     assert completed.returncode == 2 and "--steps (1) must exceed --warmup (1)" in completed.stderr
     assert not out.exists()
+
+
+def test_startup_benchmark_table_gives_each_mode_its_median_min_and_runs() -> None:
+    from benchmarks.startup import markdown
+
+    report = {"modes": {"local": {"runs_s": [21.0, 19.5, 20.0], "median_s": 20.0, "min_s": 19.5}}}
+    assert markdown(report).splitlines()[-1] == "| started by the run | 20.0 s | 19.5 s | 21.0, 19.5, 20.0 |"
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--repeats", "0", "--repeats must be at least 1"),
+        ("--modes", "local,remote", "--modes takes local, cluster or both"),
+    ],
+)
+def test_startup_benchmark_rejects_bad_options(tmp_path: Path, option: str, value: str, message: str) -> None:
+    out = tmp_path / "x.json"
+    completed = _run("benchmarks.startup", option, value, "--out", str(out), timeout=60)
+    assert completed.returncode == 2 and message in completed.stderr
+    assert not out.exists()

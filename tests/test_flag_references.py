@@ -34,6 +34,10 @@ FOREIGN_FLAGS = {
     "--node-ip-address",
     "--num-gpus",
     "--runtime-env-json",
+    # `ray start --head` of a test cluster (slime.testing.ray_head)
+    "--include-dashboard",
+    "--num-cpus",
+    "--temp-dir",
     # `sglang-router launch` (slime.ray.router)
     "--host",
     "--log-level",

@@ -464,6 +464,27 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     debug.add_argument("--metrics-dir", default=None)
 
+    cluster = parser.add_argument_group(
+        "Ray cluster",
+        "Without --ray-address (or RAY_ADDRESS) the run starts a local Ray instance and stops it at the end.",
+    )
+    cluster.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="join the running Ray cluster whose head's GCS is at HOST:PORT (as `ray start --head` prints it; "
+        "`auto` finds one started on this machine) instead of starting a local one; the run's actors end with "
+        "the run, the cluster keeps running. Run slime-run on a node of the cluster: the driver reads and writes "
+        "--save and the straw pool, which every node must mount (checked at start)",
+    )
+    cluster.add_argument(
+        "--ray-connect-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long to try reaching --ray-address before stopping with the address and the last error",
+    )
+
     console = parser.add_argument_group("console")
     console.add_argument(
         "--log-interval",
