@@ -105,22 +105,23 @@ class RolloutManager:
             from slime.ray.serving import launch_rollout_servers
 
             engine_launcher = resolve_engine_launcher(args)  # an unknown engine fails here, before anything starts
-        # Engines take seconds to come up (their processes import torch and load the model): the storage probe, the
-        # data source and its queue service start on a thread meanwhile; none needs the engines' URLs (published
-        # after). The engines and the router start on this thread: a child process started with `die_with_parent`
-        # (the router) dies with the thread that started it.
-        pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-components")
-        preparing = pool.submit(self._prepare_components, args, restore_plan)
+        # Engines take seconds to come up (their processes import torch and load the model): the storage probe (a
+        # Ray task in a new worker) runs on a thread meanwhile. The engines and the router start on this thread: a
+        # child process started with `die_with_parent` (the router) dies with the thread that started it. The data
+        # source and its queue service come after both, so a run whose engines fail writes nothing under --save.
+        pool = ThreadPoolExecutor(1, thread_name_prefix="storage-probe")
+        probing = pool.submit(check_rollout_storage, args)
         pool.shutdown(wait=False)
         try:
             if launch:
                 self.servers = launch_rollout_servers(args, engine_launcher)
                 self._launched_servers = True
-            preparing.result()
+            probing.result()
+            self._init_components(restore_plan)
         except BaseException as exc:
-            wait([preparing])  # release nothing the thread is still creating
-            if preparing.exception() not in (None, exc):
-                logger.error("preparing the rollout components failed too", exc_info=preparing.exception())
+            wait([probing])  # its Ray task must not outlive a failed manager unseen
+            if probing.exception() not in (None, exc):
+                logger.error("the rollout storage probe failed too", exc_info=probing.exception())
             self._release_after_failed_init()
             raise
         self._publish_engine_urls()
@@ -159,11 +160,6 @@ class RolloutManager:
         from slime.data.batch_builder import BatchBuilder
 
         self.batch_builder = BatchBuilder(args, controller=self.controller)
-
-    def _prepare_components(self, args: Any, restore_plan: Any) -> None:
-        """What the manager needs besides the engines: the pool checked from every node, then its components."""
-        check_rollout_storage(args)
-        self._init_components(restore_plan)
 
     def _release_after_failed_init(self) -> None:
         """A constructor failure must not leave engines or an owned controller behind."""
