@@ -98,7 +98,6 @@ class RolloutManager:
         self.rollout_id = -1
         self.train_actors: dict[str, list] = {}
         self.servers: dict = deployment.servers if deployment is not None else {}
-        self._publish_engine_urls()  # a serving deployment's engines: known now, and seen by the components
         launch = deployment is None and not self.settings.debug_train_only
         if launch:
             from slime.backend_interfaces import resolve_engine_launcher
@@ -117,6 +116,7 @@ class RolloutManager:
                 self.servers = launch_rollout_servers(args, engine_launcher)
                 self._launched_servers = True
             probing.result()
+            self._publish_engine_urls()  # the components see the engines' URLs
             self._init_components(restore_plan)
         except BaseException as exc:
             wait([probing])  # its Ray task must not outlive a failed manager unseen
@@ -124,7 +124,6 @@ class RolloutManager:
                 logger.error("the rollout storage probe failed too", exc_info=probing.exception())
             self._release_after_failed_init()
             raise
-        self._publish_engine_urls()
         # Engines this manager started are its to watch; a serving cluster watches its own.
         self._health_monitors = start_health_monitors(self.servers, args) if self._launched_servers else []
         init_tracking(args, primary=False)
