@@ -7,7 +7,7 @@ same name of the same kind is an error that names both.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,9 +81,14 @@ class RolloutEngineSpec(ProvidedSpec):
     `deterministic`: None when its engines cannot take part in a `--deterministic` run (such a run is refused); else
     its check. Under `--deterministic` its engines must sample with each request's `sampling_seed` and answer a
     request with the same tokens and log-probabilities whatever else they serve at the same time.
+
+    `resources`: `resources(args) -> {"CPU": n, "GPU": m}`, what one engine asks Ray for under the run's arguments
+    (the launcher must ask for the same, through `slime.ray.layout.engine_actor_options`); the run's layout is
+    checked against the cluster with it before anything starts. None: the engines ask for nothing countable.
     """
 
     deterministic: DeterministicCheck | None = None
+    resources: Callable[[Any], Mapping[str, float]] | None = None
 
 
 @dataclass(frozen=True)

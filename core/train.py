@@ -46,6 +46,7 @@ from slime.observability.logging_utils import (
 )
 from slime.observability.phase_timer import PhaseTimer
 from slime.ray.cluster import RaySettings, start_ray
+from slime.ray.layout import LayoutError
 from slime.ray.placement_group import create_placement_groups, create_rollout_manager, create_training_models
 from slime.ray.settings import DriverSettings, InputSettings, check_run_settings
 from slime.storage_errors import fault_message, storage_fault
@@ -251,14 +252,22 @@ def _run(args: Any) -> int:
     except RayActorError as exc:
         # A process of the run died (killed, out of memory, its node lost): not a bug to show in full, but the
         # end of this run; its last joint commit is intact and the same command resumes from it.
-        logger.warning("a Ray actor of the run died: %s", exc)
         if rollout_manager is not None:
             ray.kill(rollout_manager, no_restart=True)
+        reported = _error_of_creation(exc)
+        if reported is not None:  # an actor refused to start with the user's to fix (a node without the pool)
+            raise reported from exc
+        logger.warning("a Ray actor of the run died: %s", exc)
         raise RunInterrupted(_actor_death_message(exc, restore_plan.root or args.save)) from exc
     except (OSError, RayTaskError) as exc:
         # Storage under the save dir or the straw pool that refuses writes (full, over quota, read-only) is the
         # user's to fix, not a bug: one line naming the path and the operation; the last joint commit is intact (its
         # marker is written last) and the same command resumes from it. Any other error: logged and re-raised.
+        stopped = exc.cause if isinstance(exc, RayTaskError) else exc
+        if isinstance(stopped, RunInterrupted):  # raised by an actor (a node lost): its message says how to go on
+            if rollout_manager is not None:
+                ray.kill(rollout_manager, no_restart=True)
+            raise RunInterrupted(str(stopped)) from exc
         logger.exception("training failed; stopping the rollout manager")
         if rollout_manager is not None:
             ray.kill(rollout_manager, no_restart=True)
@@ -267,6 +276,10 @@ def _run(args: Any) -> int:
         if fault is None:
             raise
         raise RunInterrupted(fault_message(fault, save=root, pool=pool)) from exc
+    except UsageError:  # the user's to fix (a layout the cluster cannot hold): the message says it all
+        if rollout_manager is not None:
+            ray.kill(rollout_manager, no_restart=True)
+        raise
     except BaseException:
         logger.exception("training failed; stopping the rollout manager")
         if rollout_manager is not None:
@@ -276,6 +289,22 @@ def _run(args: Any) -> int:
         finish_tracking(args)
     ray.kill(rollout_manager, no_restart=True)
     return 0
+
+
+def _error_of_creation(exc: RayActorError) -> UsageError | RunInterrupted | None:
+    """The `UsageError` or `RunInterrupted` an actor's constructor raised, rebuilt from the dead actor's error
+    text (Ray keeps only the text of a creation task's exception), or None when it died of something else."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(getattr(exc, "error_msg", "") or exc))
+    found = None
+    for cls in (UsageError, RunInterrupted, LayoutError):
+        position = text.rfind(f"{cls.__module__}.{cls.__qualname__}: ")
+        if position >= 0 and (found is None or position > found[1]):
+            found = (cls, position, len(f"{cls.__module__}.{cls.__qualname__}: "))
+    if found is None:
+        return None
+    cls, position, prefix = found
+    message = text[position + prefix :].strip()
+    return RunInterrupted(message) if cls is RunInterrupted else UsageError(message)
 
 
 def _actor_death_message(exc: BaseException, save: str | None) -> str:

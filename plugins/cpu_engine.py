@@ -28,6 +28,7 @@ from typing import Any
 
 from slime import hookimpl
 from slime.plugins.cpu_engine_settings import ENGINE_STARTUP_TIMEOUT_S, CPUEngineSettings
+from slime.ray.layout import engine_actor_options
 from slime.specs import RolloutEngineSpec
 
 ENGINE_HOST = "127.0.0.1"
@@ -283,8 +284,7 @@ def launch_cpu_engines(args: Any, num_engines: int) -> LaunchedEngines:
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     names = [f"CPU engine {index + 1}/{num_engines}" for index in range(num_engines)]
     actor_class = ray.remote(CPUEngineActor).options(
-        num_cpus=settings.num_cpus,
-        max_concurrency=4,
+        **engine_actor_options(args, engine_resources(args)), max_concurrency=4
     )
     infos = [{"log_path": str(log_dir / f"engine-{stamp}-{index}.log")} for index in range(num_engines)]
     actors = [
@@ -317,6 +317,11 @@ def launch_cpu_engines(args: Any, num_engines: int) -> LaunchedEngines:
     return LaunchedEngines([urls[index] for index in range(num_engines)], actors, str(log_dir) if temporary else None)
 
 
+def engine_resources(args: Any) -> dict[str, float]:
+    """What one CPU engine asks Ray for (`RolloutEngineSpec.resources`): `--cpu-engine-num-cpus` CPUs."""
+    return {"CPU": CPUEngineSettings.from_args(args).num_cpus}
+
+
 def _check_deterministic(args: Any) -> None:
     """CPU engines honour `--deterministic`: per-request `sampling_seed`, one request per batch."""
     CPUEngineSettings.from_args(args).check_deterministic()
@@ -330,6 +335,7 @@ def slime_rollout_engines() -> Iterable[RolloutEngineSpec]:
             launch_cpu_engines,
             "Hugging Face causal LM on CPU behind the SGLang HTTP protocol (default: the built-in tiny model)",
             deterministic=_check_deterministic,
+            resources=engine_resources,
         )
     ]
 

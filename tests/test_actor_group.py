@@ -265,6 +265,7 @@ def test_allocation_needs_enough_bundles(tmp_path):
 def test_ranks_start_in_cpu_placement_bundles_with_a_shared_master(tmp_path):
     import ray
 
+    from slime.ray.layout import LayoutError
     from slime.ray.placement_group import create_placement_groups
 
     class EnvRank:
@@ -285,14 +286,17 @@ def test_ranks_start_in_cpu_placement_bundles_with_a_shared_master(tmp_path):
     try:
         args = SimpleNamespace(actor_num_nodes=1, actor_num_gpus_per_node=2, use_critic=False)
         pgs = create_placement_groups(args)
-        assert pgs["actor"].num_gpus_per_bundle == 0 and list(pgs["actor"].bundle_indices) == [0, 1]
+        # One node: both ranks share its bundle.
+        assert pgs["actor"].num_gpus_per_bundle == 0 and list(pgs["actor"].bundle_indices) == [0, 0]
         group = RayTrainGroup(args, 1, 2, pg=pgs["actor"], num_gpus_per_actor=0, actor_cls=EnvRank)
         assert group.create() == [0, 0]
         envs = ray.get([actor.env.remote() for actor in group._actor_handlers])
         assert [e["RANK"] for e in envs] == ["0", "1"] and {e["WORLD_SIZE"] for e in envs} == {"2"}
         assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
         assert ray.get(group.async_train(4, [])) == [{"rank": 0, "rollout_id": 4}, {"rank": 1, "rollout_id": 4}]
-        with pytest.raises(ValueError, match="exceed the cluster"):
+        with pytest.raises(
+            LayoutError, match=r"the actor needs 1 distinct node\(s\) with \{CPU: 3\}(.|\n)*lacks CPU 3"
+        ):
             create_placement_groups(SimpleNamespace(actor_num_nodes=1, actor_num_gpus_per_node=3))
         group.release()
         assert group._actor_handlers == []

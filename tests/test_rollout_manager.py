@@ -76,7 +76,8 @@ def test_borrowed_controller_is_never_closed(monkeypatch):
     assert calls == ["finish"] and controller.calls == []
 
 
-def test_recovery_without_serving_skips_the_first_step():
+def test_recovery_without_serving_skips_the_first_step(monkeypatch):
+    monkeypatch.setattr(serving, "check_engines_fit", lambda args, count: None)  # no Ray cluster here
     launches = []
 
     def launcher(args, count):
@@ -106,7 +107,8 @@ def test_serving_cluster_checks_monitors_at_the_rollout_boundary():
     assert events == ["pause", "check", "pause"]
 
 
-def test_rollout_server_relaunches_only_missing_engines():
+def test_rollout_server_relaunches_only_missing_engines(monkeypatch):
+    monkeypatch.setattr(serving, "check_engines_fit", lambda args, count: None)  # no Ray cluster here
     launches = []
 
     def launcher(args, count):
@@ -303,3 +305,31 @@ def test_an_engine_launch_that_fails_creates_no_queue_controller(monkeypatch, tm
     with pytest.raises(RuntimeError, match="did not come up"):
         Manager(_straw_args(tmp_path), None)
     assert calls == []
+
+
+def test_a_step_whose_engines_died_stops_the_run_with_how_to_resume():
+    """A step fails because its engines died (their node lost): `RunInterrupted` naming them, not a traceback; a
+    failure with every engine alive is raised as it is."""
+    from slime.errors import RunInterrupted
+
+    server = serving.RolloutServer(SimpleNamespace(), None, ["http://a", "http://b"], ["a", "b"])
+    manager = _bare_manager(
+        SimpleNamespace(), servers={"model": server}, _health_monitors=[], batch_builder=SimpleNamespace()
+    )
+
+    def engines_gone(rollout_id, start_time):
+        server.all_engines[:] = [None, None]  # what the health check finds afterwards
+        raise RuntimeError("Rollout engine http://a/generate failed 4 time(s)\nmore detail")
+
+    manager._generate = engines_gone
+    with pytest.raises(RunInterrupted) as stopped:
+        manager.generate(3)
+    message = str(stopped.value)
+    assert message.startswith("rollout step 3 failed because engine(s) http://a, http://b died during it (last error: ")
+    assert "Rollout engine http://a/generate failed 4 time(s))" in message and "more detail" not in message
+    assert "rerun the same command to resume from its last joint commit" in message
+
+    server.all_engines[:] = ["a", "b"]
+    manager._generate = lambda rollout_id, start_time: (_ for _ in ()).throw(ValueError("a bug"))
+    with pytest.raises(ValueError, match="a bug"):
+        manager.generate(4)

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import glob
 import json
+import logging
 import os
 import string
 import threading
@@ -28,7 +29,13 @@ from slime.data import queue_state
 from slime.data.queue_state import QueueState
 from slime.data.refs import DiskPayloadRef, RawRolloutRef, RolloutGroupRef, TrainBatchRef
 from slime.data.straw_settings import StrawSettings
+from slime.errors import UsageError
 from slime.rollout.base_types import iter_samples
+
+logger = logging.getLogger(__name__)
+
+#: Seconds one node's storage probe may take (`check_rollout_storage`).
+STORAGE_PROBE_TIMEOUT_S = 60.0
 
 __all__ = [
     "DiskPayloadRef",
@@ -465,26 +472,56 @@ def _probe_storage(reference: DiskPayloadRef, root: str, args: Any) -> DiskPaylo
 
 
 def check_rollout_storage(args: Any) -> None:
-    """Prove that every alive Ray node with CPUs or GPUs reads and writes the same pool."""
+    """Prove that every alive Ray node with CPUs or GPUs reads and writes the same pool; `UsageError` naming each
+    node that does not (its address and what failed there) and the path. A node that leaves the cluster during the
+    check (a node lost moments before the run, which Ray still listed) is skipped with a warning."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     marker = uuid.uuid4().hex
     reference = pack_rollout_payload(marker, args, 0)
     probe = ray.remote(num_cpus=0)(_probe_storage)
+    nodes = [
+        node
+        for node in ray.nodes()
+        if node.get("Alive") and (node.get("Resources", {}).get("CPU") or node.get("Resources", {}).get("GPU"))
+    ]
     probes = [
         probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(
             reference, args.rollout_data_dir, args
         )
-        for node in ray.nodes()
-        if node.get("Alive") and (node.get("Resources", {}).get("CPU") or node.get("Resources", {}).get("GPU"))
+        for node in nodes
     ]
+    wheres = [f"node {node.get('NodeManagerAddress', '?')} ({node['NodeID'][:8]})" for node in nodes]
     try:
-        returned = ray.get(probes, timeout=60)
-        for ref in returned:
-            if ref.load() != marker:
-                raise ValueError("Rollout storage probe content differs across nodes")
-        release_payload_publications(args, [reference, *returned])
+        returned, failures = list(zip(wheres, ray.get(probes, timeout=STORAGE_PROBE_TIMEOUT_S), strict=True)), []
     except Exception as exc:
-        raise RuntimeError(
-            f"All rollout/training nodes must share the run at --rollout-data-dir={args.rollout_data_dir}"
-        ) from exc
+        returned, failures = _diagnose_probes(wheres, probes)
+        if not returned and not failures:  # nothing to name: say what failed
+            failures = [f"{type(exc).__name__}: {exc}"]
+    failures += [f"{where}: reads another file there" for where, ref in returned if ref.load() != marker]
+    release_payload_publications(args, [reference, *(ref for _, ref in returned)])
+    if failures:
+        raise UsageError(
+            f"All rollout/training nodes must share the run at --rollout-data-dir={args.rollout_data_dir}, and "
+            + ("this node does not" if len(failures) == 1 else f"{len(failures)} nodes do not")
+            + ":\n  "
+            + "\n  ".join(failures)
+            + "\nmount the same shared filesystem (NFS, JuiceFS, ...) at that path on every node"
+        )
+
+
+def _diagnose_probes(wheres: list[str], probes: list[Any]) -> tuple[list[tuple[str, Any]], list[str]]:
+    """After a failed storage check: each node's probe result (`(node, ref)`) or failure (`"node ...: why"`); a node
+    that left the cluster meanwhile (Ray still listed it) is skipped with a warning."""
+    from ray.exceptions import TaskUnschedulableError
+
+    returned, failures = [], []
+    for where, pending in zip(wheres, probes, strict=True):
+        try:
+            returned.append((where, ray.get(pending, timeout=STORAGE_PROBE_TIMEOUT_S)))
+        except TaskUnschedulableError:
+            logger.warning("%s left the Ray cluster during the storage check; it is not checked", where)
+        except Exception as exc:
+            lines = str(exc).strip().splitlines()
+            failures.append(f"{where}: {type(exc).__name__}: {lines[-1] if lines else ''}")
+    return returned, failures

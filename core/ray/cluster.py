@@ -21,6 +21,7 @@ import time
 import ray
 
 from slime.errors import UsageError
+from slime.observability.logging_utils import QUIET_ENV
 from slime.utils.settings import Settings, option
 
 logger = logging.getLogger(__name__)
@@ -98,8 +99,10 @@ def start_ray(settings: RaySettings) -> None:
             wait_for_address(address, settings.ray_connect_timeout)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
+    # The cluster's workers inherit its nodes' environment, not this process's: hand them the quiet console's.
+    quiet = {name: os.environ[name] for name in QUIET_ENV if name in os.environ}
     try:
-        ray.init(address=address, logging_level=level)
+        ray.init(address=address, logging_level=level, runtime_env={"env_vars": quiet} if quiet else None)
     except ConnectionError as exc:
         hint = (
             "start one with `ray start --head`, or leave --ray-address out to start a local Ray instance"

@@ -1,9 +1,13 @@
-"""Placing a run on the Ray cluster: placement groups, the rollout manager and the training groups.
+"""Placing a run on the Ray cluster: the layout check, placement groups, the rollout manager and the training groups.
 
-`create_placement_groups(args)` reserves one bundle per training rank (actor, then critic); the rollout
-placement is the actor's (engines are placed by their plugin's launcher). A bundle is one GPU plus one CPU
-when the cluster has GPUs, and `--train-num-cpus-per-rank` CPUs (default 1) when it has none, so the same
-command runs on a laptop. The result maps role -> `Placement`.
+`create_placement_groups(args)` first checks the run's whole layout (training ranks and rollout engines) against
+the cluster's nodes (`slime.ray.layout.fit_layout`): a layout that cannot fit is refused before anything starts,
+naming what each node lacks. It then reserves one placement group per training role (actor, then critic) with one
+bundle per node of the role, holding that node's ranks (`--actor-num-gpus-per-node` of them): a GPU and a CPU per
+rank when the cluster has GPUs, `--train-num-cpus-per-rank` CPUs (default 1) when it has none (so the same command
+runs on a laptop), plus `--train-resources`. A role on several nodes is reserved STRICT_SPREAD (one bundle per
+node). The rollout placement is the actor's (engines are placed by their plugin's launcher, where
+`--rollout-resources` sends them). The result maps role -> `Placement`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import ray
 
 from slime.backend_interfaces import check_run_backends
 from slime.ray.actor_group import Placement, RayTrainGroup
-from slime.ray.settings import ClusterSettings, DriverSettings
+from slime.ray.layout import NodeGroup, alive_nodes, engine_demand, fit_layout
+from slime.ray.settings import ClusterSettings, DriverSettings, ManagerSettings, ServingSettings
 
 logger = logging.getLogger(__name__)
 
@@ -24,49 +29,59 @@ PLACEMENT_TIMEOUT_S = 300.0
 
 
 def create_placement_groups(args: Any) -> dict[str, Placement]:
-    """Reserve the bundles of a run; returns `{"actor": ..., "critic": ..., "rollout": ...}` placements.
+    """Check the run's layout and reserve its training bundles; returns `{"actor": ..., "rollout": ...}` placements,
+    and "critic" with `--use-critic`.
 
     The run's first step on the cluster: it first checks that `--train-backend`'s rank class and
     `--rollout-engine`'s launcher keep their contracts (`slime.backend_interfaces`), so a broken plugin is
-    refused, naming itself and what it lacks, before any actor starts.
+    refused, naming itself and what it lacks, before any actor starts; then that the layout fits
+    (`slime.ray.layout.LayoutError` otherwise).
     """
-    from ray.util.placement_group import placement_group
-
     check_run_backends(args)
     settings = ClusterSettings.from_args(args)
-    resources = ray.cluster_resources()
-    use_gpu = resources.get("GPU", 0) > 0
-    actor_ranks = settings.actor_ranks
-    train_ranks = actor_ranks + settings.critic_ranks
-    if use_gpu:
-        bundles = [{"GPU": 1, "CPU": 1} for _ in range(train_ranks)]
-        gpus, cpus = 1.0, 1.0
-    else:
-        cpus = settings.train_num_cpus_per_rank
-        available = resources.get("CPU", 0)
-        if train_ranks * cpus > available:
-            raise ValueError(
-                f"{train_ranks} training ranks x {cpus:g} CPUs exceed the cluster's {available:g} CPUs; lower "
-                "--actor-num-gpus-per-node (ranks per node on CPU) or --train-num-cpus-per-rank"
-            )
-        bundles = [{"CPU": cpus} for _ in range(train_ranks)]
-        gpus = 0.0
-    pg = placement_group(bundles, strategy="PACK")
+    use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    rank = settings.rank_resources(use_gpu)
+    roles = [("actor", settings.actor_num_nodes, settings.actor_num_gpus_per_node)]
+    if settings.use_critic:
+        roles.append(("critic", settings.critic_num_nodes, settings.critic_num_gpus_per_node))
+    groups = [
+        NodeGroup(role, nodes, {key: amount * per_node for key, amount in rank.items()})
+        for role, nodes, per_node in roles
+    ]
+    engines = None
+    if not ManagerSettings.from_args(args).debug_train_only:
+        engines = engine_demand(args, ServingSettings.from_args(args).num_engines)
+    layout = fit_layout(alive_nodes(), groups, engines)
+    logger.info(
+        "layout fits the cluster: %s",
+        "; ".join(
+            f"{role} -> node(s) {', '.join(sorted({node[:8] for node in nodes}))}" for role, nodes in layout.items()
+        ),
+    )
+    placements: dict[str, Placement] = {}
+    for group, (role, num_nodes, per_node) in zip(groups, roles, strict=True):
+        placements[role] = _reserve(role, [dict(group.per_node) for _ in range(num_nodes)], per_node, rank)
+    placements["rollout"] = placements["actor"]
+    return placements
+
+
+def _reserve(role: str, bundles: list[dict[str, float]], ranks_per_node: int, rank: dict[str, float]) -> Placement:
+    """A placement group of `bundles` (one per node) for `role`, each rank mapped to its node's bundle."""
+    from ray.util.placement_group import placement_group
+
+    strategy = "STRICT_SPREAD" if len(bundles) > 1 else "PACK"
+    pg = placement_group(bundles, strategy=strategy, name=f"slime-{role}")
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
         ray.util.remove_placement_group(pg)
         raise RuntimeError(
-            f"Ray could not reserve {len(bundles)} bundles of {bundles[0]} within {PLACEMENT_TIMEOUT_S:g}s "
-            f"(cluster: {resources}); reduce the number of ranks or add nodes"
+            f"Ray could not reserve the {role}'s {len(bundles)} bundle(s) of {bundles[0]} ({strategy}) within "
+            f"{PLACEMENT_TIMEOUT_S:g}s although the cluster's nodes can hold them: other jobs hold the resources "
+            f"(`ray status` shows them)"
         )
-    actor = list(range(actor_ranks))
-    critic = list(range(actor_ranks, train_ranks))
-    logger.info("placement: %d actor, %d critic bundles (GPU: %s)", len(actor), len(critic), use_gpu)
-    return {
-        "actor": Placement(pg, actor, gpus, cpus),
-        "critic": Placement(pg, critic, gpus, cpus),
-        "rollout": Placement(pg, actor, gpus, cpus),
-    }
+    indices = [node for node in range(len(bundles)) for _ in range(ranks_per_node)]
+    logger.info("placement: %s %d rank(s) in %d node bundle(s)", role, len(indices), len(bundles))
+    return Placement(pg, indices, rank.get("GPU", 0.0), rank["CPU"])
 
 
 def create_rollout_manager(args: Any, pg: Placement | None, restore_plan: Any = None) -> tuple[Any, int | None]:
@@ -75,10 +90,16 @@ def create_rollout_manager(args: Any, pg: Placement | None, restore_plan: Any = 
     With `--num-epoch` instead of `--num-rollout`, the manager's data source says how many rollout steps
     one epoch is, and `args.num_rollout` is set from it.
     """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
     from slime.ray.rollout import RolloutManager
 
     driver = DriverSettings.from_args(args)
-    manager = RolloutManager.options(num_cpus=0, num_gpus=0).remote(args, pg, restore_plan=restore_plan)
+    # On the driver's node: losing another node then loses only the engines and ranks it held.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    manager = RolloutManager.options(num_cpus=0, num_gpus=0, scheduling_strategy=here).remote(
+        args, pg, restore_plan=restore_plan
+    )
     num_rollout_per_epoch = None
     if driver.num_rollout is None and driver.num_epoch is not None:
         num_rollout_per_epoch = int(ray.get(manager.get_num_rollout_per_epoch.remote()))

@@ -35,6 +35,7 @@ from slime.engine_control import (
     release_memory_occupation,
     resume_memory_occupation,
 )
+from slime.errors import RunInterrupted
 from slime.interfaces import Transport, rollout_session_scope, run_transport
 from slime.observability import logging_utils
 from slime.observability.logging_utils import (
@@ -231,10 +232,32 @@ class RolloutManager:
         self.batch_builder.rollout_id = rollout_id
         self._resume_engine_memory()
         self.health_monitoring_resume()
-        result = self._generate(rollout_id, start_time)
+        try:
+            result = self._generate(rollout_id, start_time)
+        except Exception as exc:
+            lost = self._lost_engines()
+            if not lost:
+                raise
+            # Every engine of the step may be gone (their node lost): the step cannot finish, and the run resumes
+            # from its last joint commit exactly once; relaunching engines mid-step is not attempted.
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RunInterrupted(
+                f"rollout step {rollout_id} failed because engine(s) {', '.join(lost)} died during it (last error: "
+                f"{first_line}). What the run committed is intact: rerun the same command to resume from its last "
+                "joint commit (once the cluster can hold the run's engines again, if their node was lost)"
+            ) from exc
         self._check_engines()
         self._release_engine_memory()
         return result
+
+    def _lost_engines(self) -> list[str]:
+        """The URLs of the engines found dead by a health check now (their slots are then relaunched by recovery)."""
+        self._check_engines()
+        lost = []
+        for server in self.servers.values():
+            engines = getattr(server, "all_engines", None) or []
+            lost += [url for url, engine in zip(server.urls, engines, strict=True) if engine is None]
+        return lost
 
     def eval(self, rollout_id: int) -> dict[str, Any]:
         """Evaluate the engines' current weights; returns the logged eval metrics (`eval/<name>/...`)."""

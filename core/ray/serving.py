@@ -19,6 +19,8 @@ from typing import Any
 import ray
 
 from slime.backend_interfaces import check_launched_engines
+from slime.errors import RunInterrupted
+from slime.ray.layout import LayoutError, check_engines_fit
 from slime.ray.router import SGLangRouter
 from slime.ray.settings import ServingSettings
 
@@ -80,12 +82,24 @@ class RolloutServer:
             router_remove_worker(self.router, self.urls[slot])
 
     def recover(self) -> None:
-        """Relaunch every engine whose slot is None and add the new engines to the router."""
+        """Relaunch every engine whose slot is None and add the new engines to the router.
+
+        When the cluster's alive nodes cannot hold the replacements at all (the node that offered their
+        `--rollout-resources` is gone), `RunInterrupted` says so: the run stops, and its last joint commit resumes
+        once the cluster can hold its layout again.
+        """
         missing = [index for index, engine in enumerate(self.all_engines) if engine is None]
         if not missing:
             self.num_new_engines = 0
             return
-        engines = self.launcher(self.args, len(missing))
+        try:
+            engines = self._relaunch(len(missing))
+        except LayoutError as exc:
+            raise RunInterrupted(
+                f"rollout engine slot(s) {', '.join(map(str, missing))} died and cannot be relaunched: {exc}\nWhat "
+                "the run committed is intact: rerun the same command to resume from its last joint commit once the "
+                "cluster can hold its layout again (the lost node back, or other nodes with those resources)"
+            ) from exc
         self.launched.append(engines)
         urls = check_launched_engines(engines, len(missing), self.name)
         actors = list(getattr(engines, "actors", None) or urls)
@@ -96,6 +110,16 @@ class RolloutServer:
             if self.router is not None:
                 router_add_worker(self.router, url)
         self.num_new_engines = len(missing)
+
+    def _relaunch(self, count: int) -> Any:
+        """`count` new engines from the launcher, checked to fit the cluster's alive nodes first and again when the
+        launch fails (a relaunch placed on a node that was being lost fails once Ray notices): `LayoutError` then."""
+        check_engines_fit(self.args, count)
+        try:
+            return self.launcher(self.args, count)
+        except Exception:
+            check_engines_fit(self.args, count)
+            raise
 
     def shutdown(self) -> None:
         if self.router is not None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from slime.data.prompt_sources import PromptSource, parse_prompt_data
+from slime.ray.layout import resource_items
 from slime.ray.router import ROUTER_CHOICES, router_for
 from slime.utils.settings import Settings, option, options_from_args
 from slime.weight_sync import DEFAULT_BUCKET_BYTES, TRANSPORTS, canonical_transport
@@ -82,6 +83,8 @@ class ClusterSettings(Settings):
     critic_num_gpus_per_node: int = option("critic_num_gpus_per_node", 1, convert=int, minimum=1)
     #: Ray CPUs per training rank on a cluster without GPUs.
     train_num_cpus_per_rank: float = option("train_num_cpus_per_rank", 1.0, convert=float, above=0.0)
+    #: `--train-resources`: custom Ray resources per rank, as sorted (name, amount) pairs.
+    train_resources: tuple[tuple[str, float], ...] = option("train_resources", (), convert=resource_items)
     #: A non-zero KL coefficient gives the actor ranks a reference model.
     kl_coef: float = option("kl_coef", 0.0, convert=float, minimum=0.0)
     #: Set by checkpoint restore: the step the run must start at (None: the step after what the trainers load).
@@ -95,6 +98,13 @@ class ClusterSettings(Settings):
     def critic_ranks(self) -> int:
         """The critic's ranks; 0 without `--use-critic`."""
         return self.critic_num_nodes * self.critic_num_gpus_per_node if self.use_critic else 0
+
+    def rank_resources(self, use_gpu: bool) -> dict[str, float]:
+        """What one training rank asks of its node: a GPU and a CPU on a cluster with GPUs, else
+        `--train-num-cpus-per-rank` CPUs; plus `--train-resources`."""
+        resources = {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": self.train_num_cpus_per_rank}
+        resources.update(self.train_resources)
+        return resources
 
     @property
     def with_ref(self) -> bool:
@@ -110,6 +120,8 @@ class ServingSettings(Settings):
     #: As given; `router_to_start` is what runs ("auto" resolved).
     router: str = option("rollout_router", "auto", choices=ROUTER_CHOICES)
     num_engines: int = option("rollout_num_engines", 2, convert=int, minimum=1)
+    #: `--rollout-resources`: custom Ray resources per engine, as sorted (name, amount) pairs.
+    rollout_resources: tuple[tuple[str, float], ...] = option("rollout_resources", (), convert=resource_items)
     #: The router's log goes to `<save>/logs/sglang-router.log` (a temporary file without `--save`).
     save: str | None = option("save")
 

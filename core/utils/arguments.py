@@ -27,6 +27,7 @@ from slime.plugin_manager import (
     collect_registry,
     named_plugin_defaults,
 )
+from slime.ray.layout import parse_resources
 from slime.ray.router import ROUTER_CHOICES, sglang_router_available
 from slime.rollout.remote_reward import check_remote_reward_options
 from slime.rollout.rm_hub import REWARD_ERROR_POLICIES, RewardSettings, parse_weights, split_names
@@ -484,6 +485,22 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long to try reaching --ray-address before stopping with the address and the last error",
     )
+    cluster.add_argument(
+        "--train-resources",
+        type=_custom_resources,
+        default=None,
+        metavar="NAME=AMOUNT[,...]",
+        help="custom Ray resources every training rank asks for, to pin the ranks to the nodes that offer them "
+        "(start those with `ray start --resources '{\"NAME\": N}'`). The layout is checked against the cluster "
+        "before anything starts: what does not fit is named per node",
+    )
+    cluster.add_argument(
+        "--rollout-resources",
+        type=_custom_resources,
+        default=None,
+        metavar="NAME=AMOUNT[,...]",
+        help="custom Ray resources every rollout engine asks for, besides its CPUs/GPUs (as --train-resources)",
+    )
 
     console = parser.add_argument_group("console")
     console.add_argument(
@@ -511,6 +528,13 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _custom_resources(text: str) -> dict[str, float]:
+    try:
+        return parse_resources(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser(pm: Any = None) -> argparse.ArgumentParser:

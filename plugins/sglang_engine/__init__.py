@@ -33,6 +33,13 @@ def _launch(args: Any, num_engines: int) -> Any:
     return launch_sglang_engines(args, num_engines)
 
 
+def _resources(args: Any) -> dict[str, float]:
+    """What one engine asks Ray for (`slime.specs.RolloutEngineSpec.resources`); imports the launcher lazily."""
+    from slime.plugins.sglang_engine.launcher import engine_resources
+
+    return engine_resources(args)
+
+
 @hookimpl
 def slime_rollout_engines() -> Iterable[RolloutEngineSpec]:
     return [
@@ -40,6 +47,7 @@ def slime_rollout_engines() -> Iterable[RolloutEngineSpec]:
             ENGINE_NAME,
             _launch,
             "SGLang servers (sglang.launch_server; CPU-only machines included), one Ray actor each",
+            resources=_resources,
         )
     ]
 

@@ -34,6 +34,7 @@ from typing import Any
 
 from slime.plugins.sglang_engine.server_args import SGLANG_VERSION, installed_version, sglang_environment
 from slime.plugins.sglang_engine.settings import SGLangEngineSettings
+from slime.ray.layout import engine_actor_options
 from slime.utils.child_process import die_with_parent
 
 ENGINE_HOST = "127.0.0.1"
@@ -76,6 +77,13 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def engine_resources(args: Any) -> dict[str, float]:
+    """What one engine asks Ray for (`RolloutEngineSpec.resources`): `--sglang-engine-num-cpus` CPUs, and
+    `--rollout-num-gpus-per-engine` GPUs where CUDA is available (none on a CPU-only machine)."""
+    settings = SGLangEngineSettings.from_args(args)
+    return {"CPU": settings.num_cpus, "GPU": 0.0 if not _cuda_available() else float(settings.gpus_per_engine)}
 
 
 def server_command(settings: SGLangEngineSettings, model_path: str, port: int, seed: int, on_cpu: bool) -> list[str]:
@@ -266,9 +274,7 @@ def launch_sglang_engines(args: Any, num_engines: int) -> SGLangEngines:
     on_cpu = not _cuda_available()
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     log_dir = _log_dir(settings)
-    actor_class = ray.remote(SGLangEngineActor).options(
-        num_cpus=settings.num_cpus, num_gpus=0 if on_cpu else settings.gpus_per_engine
-    )
+    actor_class = ray.remote(SGLangEngineActor).options(**engine_actor_options(args, engine_resources(args)))
     actors, names, logs = [], [], []
     for index in range(num_engines):
         names.append(f"SGLang engine {index + 1}/{num_engines}")
