@@ -134,3 +134,66 @@ def test_startup_benchmark_rejects_bad_options(tmp_path: Path, option: str, valu
     completed = _run("benchmarks.startup", option, value, "--out", str(out), timeout=60)
     assert completed.returncode == 2 and message in completed.stderr
     assert not out.exists()
+
+
+def test_scaling_exponents_are_the_slope_of_logs() -> None:
+    from benchmarks.scaling import fitted_exponent
+
+    assert fitted_exponent([(128, 1.0), (512, 4.0), (2048, 16.0)]) == pytest.approx(1.0)  # linear
+    assert fitted_exponent([(128, 1.0), (512, 1.0), (2048, 1.0)]) == pytest.approx(0.0)  # flat per step
+    assert fitted_exponent([(128, 1.0), (512, 16.0)]) == pytest.approx(2.0)  # quadratic
+    assert fitted_exponent([(128, 1.0)]) is None and fitted_exponent([(128, 0.0), (512, 2.0)]) is None
+
+
+def test_scaling_report_gives_per_sample_costs_and_flags_superlinear_growth() -> None:
+    from benchmarks.scaling import PHASES, Config, build_tables, growth, per_sample_ms, sweep
+
+    axes = sweep([128, 512], [1, 2], [1], Config(512, 2, 1))
+    assert [c.label for c in axes["samples"]] == ["128s-2e-1t", "512s-2e-1t"]
+    assert [c.label for c in axes["engines"]] == ["512s-1e-1t", "512s-2e-1t"]
+
+    def breakdown(samples: int) -> dict[str, float]:
+        # Everything linear in the samples but `store`, which grows with their square.
+        values = {name: samples / 1000 for name in PHASES}
+        values["store"] = (samples / 128) ** 2 / 1000
+        values["train_data_load"] = samples / 4000
+        values["other"] = samples / 1000
+        values["step"] = sum(values[name] for name in PHASES) + values["other"]
+        return values
+
+    results = {}
+    for config in {c.label: c for axis in axes.values() for c in axis}.values():
+        part = breakdown(config.samples)
+        results[config.label] = {
+            "straw": {"config": vars(config), "breakdown": part, "per_sample_ms": per_sample_ms(part, config.samples)}
+        }
+    assert results["128s-2e-1t"]["straw"]["per_sample_ms"]["generate"] == pytest.approx(1.0)
+    assert results["128s-2e-1t"]["straw"]["per_sample_ms"]["train_compute"] == pytest.approx(0.75)
+    exponents = growth(results, axes["samples"], "straw")
+    assert exponents["generate"] == pytest.approx(1.0) and exponents["store"] == pytest.approx(2.0)
+    report = {
+        "axes": {axis: [c.label for c in configs] for axis, configs in axes.items()},
+        "transports": ["straw"],
+        "results": results,
+        "growth": {"straw": exponents},
+    }
+    table = build_tables(report)
+    assert "| 512 | 2 | 1 | straw | " in table and "**2.00** (superlinear)" in table
+    assert table.count("(superlinear)") == 1 + (exponents["framework"] > 1.1) + (exponents["step"] > 1.1)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--samples", "100", "must be multiples of 8"),
+        ("--engines", "0,2", "--engines takes positive integers"),
+        ("--trainers", "one", "--trainers takes comma-separated integers"),
+        ("--transports", "straw,carrier-pigeon", "--transports: unknown ['carrier-pigeon']"),
+        ("--steps", "1", "--steps (1) must exceed --warmup (1)"),
+    ],
+)
+def test_scaling_benchmark_rejects_bad_options(tmp_path: Path, option: str, value: str, message: str) -> None:
+    out = tmp_path / "x.json"
+    completed = _run("benchmarks.scaling", option, value, "--out", str(out), timeout=60)
+    assert completed.returncode == 2 and message in completed.stderr
+    assert not out.exists()
