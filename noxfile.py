@@ -165,5 +165,6 @@ def megatron(session: nox.Session) -> None:
 @nox.session(**VENV)
 def bench(session: nox.Session) -> None:
     _install(session)
+    session.install("trl>=1.0")  # the peer row of benchmarks/e2e.py
     session.run("python", "-m", "benchmarks.run", *session.posargs)
     session.run("python", "-m", "benchmarks.e2e")

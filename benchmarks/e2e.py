@@ -13,6 +13,8 @@ Side by side in one run, on one machine (ARCHITECTURE.md §9):
   The first `--warmup` steps of every run are left out.
 - The floor: the same model, task, GRPO loss and optimizer in one process without the framework
   (`benchmarks/demo_floor.py`: `model.generate` in the trainer's process, no Ray, no HTTP, no transport).
+- The peer: TRL's `GRPOTrainer` on the same tiny model, task and batch shape in this process, when `trl` is
+  installed (`benchmarks/trl_peer.py`; `--no-trl` skips it).
 - Resume: a straw run is SIGKILLed (its whole process group) in the middle of the step after its first joint
   commit and started again with the same command; the report gives the seconds from the kill to the first
   new generation starting and to the first new step finished, next to a fresh run's start-up.
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.trl_peer import measure_trl, trl_available
 from slime.plugins.demo_report import read_metrics
 from slime.utils.external_utils.slime_run_process import SlimeRunProcess
 
@@ -178,7 +181,9 @@ def measure_floor(steps: int, warmup: int) -> dict[str, float]:
 
 
 def build_table(report: dict[str, Any]) -> str:
-    rows = ["| measurement | straw | object-store | floor |", "|---|---|---|---|"]
+    peer = report.get("trl")
+    rows = ["| measurement | straw | object-store | floor |" + (" TRL GRPOTrainer |" if peer else "")]
+    rows.append("|---|---|---|---|" + ("---|" if peer else ""))
     straw, store = (report["transports"][t]["breakdown"] for t in TRANSPORTS)
     floor = report["floor"]
     names = [*PHASES[:4], "train_data_load", *PHASES[4:], "other", "step", "step_median"]
@@ -186,12 +191,17 @@ def build_table(report: dict[str, Any]) -> str:
     for name in names:
         cells = [f"{straw[name] * 1000:.0f} ms", f"{store[name] * 1000:.0f} ms"]
         cells.append(f"{floor[name] * 1000:.0f} ms" if name in floor else "")
+        if peer:
+            cells.append(f"{peer['step'] * 1000:.0f} ms" if name == "step" else "")
         rows.append(f"| {labels.get(name, name)} | {' | '.join(cells)} |")
     ratios = report["ratios"]
-    rows.append(
+    ratio_row = (
         f"| ratio | {ratios['straw_over_object_store']:.2f}x of object-store, "
         f"{ratios['straw_over_floor']:.1f}x of floor | {ratios['object_store_over_floor']:.1f}x of floor | 1x |"
     )
+    if peer:
+        ratio_row += f" {peer['step'] / floor['step']:.1f}x of floor; straw is {ratios['straw_over_trl']:.1f}x of it |"
+    rows.append(ratio_row)
     resume = report.get("resume")
     if resume:
         rows.append(
@@ -238,6 +248,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--save-interval", type=int, default=10, help="joint commit every N steps (default 10)")
     parser.add_argument("--resume-steps", type=int, default=6, help="steps of the kill-and-resume run (default 6)")
     parser.add_argument("--no-resume", action="store_true", help="skip the kill-and-resume measurement")
+    parser.add_argument(
+        "--no-trl",
+        dest="trl",
+        action="store_false",
+        help="skip the TRL GRPOTrainer row (measured when `trl` is installed; benchmarks/trl_peer.py)",
+    )
     parser.add_argument("--quick", action="store_true", help="3 steps, 1 warm-up, 4-step resume: a smoke run")
     parser.add_argument("--out", default="benchmarks/results/e2e.json", help="JSON report")
     parser.add_argument("--dir", default=None, help="where the runs' save directories go (default: a temp dir)")
@@ -287,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
             "straw_over_floor": straw / floor,
             "object_store_over_floor": store / floor,
         }
+        if options.trl and trl_available():
+            _log(f"TRL GRPOTrainer: {options.steps} demo-shaped steps in this process")
+            report["trl"] = measure_trl(options.steps, options.warmup)
+            report["ratios"]["straw_over_trl"] = straw / report["trl"]["step"]
+        elif options.trl:
+            _log("TRL is not installed (pip install trl): no peer row")
         if not options.no_resume:
             report["resume"] = measure_resume(options.resume_steps, workdir)
         report["elapsed_s"] = time.monotonic() - began

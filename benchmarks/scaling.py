@@ -11,7 +11,8 @@ configuration from a fresh save directory, once per transport, along three axes:
 
 The configuration the axes share is run once. Every step's phase times come from the run's `metrics.jsonl`
 (`perf/*`, see `benchmarks/e2e.py`); the first `--warmup` steps are left out, and evaluation is off so that steps
-are alike. Reported per configuration: seconds per step and milliseconds per sample of each phase, where
+are alike; the last step is left out too (it evaluates the final weights and commits, once per run). Reported per
+configuration: seconds per step and milliseconds per sample of each phase, where
 "framework" is every phase but the model's own work (generate and the trainer's compute): storing the step's
 data, converting it, the trainers' data load, the weight update, checkpoints and the rest. Along the samples axis
 each phase's growth is fitted as time ~ samples^k (least squares on logarithms): k = 1 is linear, flat per-sample
@@ -149,7 +150,9 @@ def build_tables(report: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4, help="rollout steps per run (default 4)")
+    parser.add_argument(
+        "--steps", type=int, default=5, help="rollout steps per run; the last one is left out too (default 5)"
+    )
     parser.add_argument("--warmup", type=int, default=1, help="first steps of each run left out (default 1)")
     parser.add_argument(
         "--samples", default="128,512,2048", help="samples per step, multiples of 8 (default 128,512,2048)"
@@ -163,7 +166,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dir", default=None, help="where the runs' save directories go (default: a temp dir)")
     options = parser.parse_args(argv)
     if options.quick:
-        options.steps, options.warmup = 2, 1
+        options.steps, options.warmup = 3, 1
         options.samples, options.engines, options.trainers, options.base_samples = "64,128", "1,2", "1", 64
 
     def counts(flag: str, text: str) -> list[int]:
@@ -184,8 +187,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(options.transports) - set(TRANSPORTS))
     if unknown or not options.transports:
         parser.error(f"--transports: unknown {unknown}; choose from {', '.join(TRANSPORTS)}")
-    if options.steps <= options.warmup:
-        parser.error(f"--steps ({options.steps}) must exceed --warmup ({options.warmup})")
+    if options.steps < options.warmup + 2:
+        parser.error(
+            f"--steps ({options.steps}) must exceed --warmup ({options.warmup}) + 1 (the last step is left out)"
+        )
     return options
 
 
@@ -196,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = {config.label: config for axis in axes.values() for config in axis}
     workdir = Path(tempfile.mkdtemp(prefix="slime-scaling-bench-", dir=options.dir))
     began = time.monotonic()
+    machine = machine_description()  # the load average before the runs
     try:
         results: dict[str, dict[str, Any]] = {}
         for number, (label, config) in enumerate(configs.items(), start=1):
@@ -204,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             for transport in order:
                 _log(f"{number}/{len(configs)} {label} {transport}")
                 run = run_demo(transport, options.steps, 10_000, workdir, f"{label}-{transport}", config.slime_args())
-                measured = [step for index, step in run["steps"].items() if index >= options.warmup]
+                # The last step also evaluates the final weights and commits: a cost per run, not per step.
+                measured = [step for index, step in run["steps"].items() if options.warmup <= index < options.steps - 1]
                 breakdown = step_breakdown(measured)
                 results[label][transport] = {
                     "config": asdict(config),
@@ -213,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 shutil.rmtree(workdir / f"{label}-{transport}", ignore_errors=True)
         report: dict[str, Any] = {
-            "machine": machine_description(),
+            "machine": machine,
             "config": {"steps": options.steps, "warmup": options.warmup, "phases": list(PHASES)},
             "transports": options.transports,
             "axes": {axis: [config.label for config in axis_configs] for axis, axis_configs in axes.items()},

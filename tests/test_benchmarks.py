@@ -189,7 +189,7 @@ def test_scaling_report_gives_per_sample_costs_and_flags_superlinear_growth() ->
         ("--engines", "0,2", "--engines takes positive integers"),
         ("--trainers", "one", "--trainers takes comma-separated integers"),
         ("--transports", "straw,carrier-pigeon", "--transports: unknown ['carrier-pigeon']"),
-        ("--steps", "1", "--steps (1) must exceed --warmup (1)"),
+        ("--steps", "2", "--steps (2) must exceed --warmup (1) + 1"),
     ],
 )
 def test_scaling_benchmark_rejects_bad_options(tmp_path: Path, option: str, value: str, message: str) -> None:
@@ -197,3 +197,22 @@ def test_scaling_benchmark_rejects_bad_options(tmp_path: Path, option: str, valu
     completed = _run("benchmarks.scaling", option, value, "--out", str(out), timeout=60)
     assert completed.returncode == 2 and message in completed.stderr
     assert not out.exists()
+
+
+def test_e2e_table_gives_the_trl_row_its_step_and_ratios_when_measured() -> None:
+    from benchmarks.e2e import PHASES, build_table
+
+    breakdown = {name: 0.1 for name in (*PHASES, "train_data_load", "other", "step_median")} | {"step": 0.7}
+    report = {
+        "transports": {"straw": {"breakdown": breakdown}, "object-store": {"breakdown": breakdown | {"step": 0.5}}},
+        "floor": {"generate": 0.02, "train": 0.08, "step": 0.1},
+        "ratios": {"straw_over_object_store": 1.4, "straw_over_floor": 7.0, "object_store_over_floor": 5.0},
+    }
+    without = build_table(report)
+    assert "TRL" not in without.splitlines()[0]
+    report["trl"] = {"step": 0.35}
+    report["ratios"]["straw_over_trl"] = 2.0
+    table = build_table(report).splitlines()
+    assert table[0].endswith("| TRL GRPOTrainer |")
+    assert next(row for row in table if row.startswith("| step (mean) |")).endswith("| 100 ms | 350 ms |")
+    assert table[-1].endswith("| 3.5x of floor; straw is 2.0x of it |")

@@ -193,6 +193,11 @@ def _place_groups(
     return placement
 
 
+def _role_flags(role: str) -> str:
+    """The flags that size a training role: `--actor-num-nodes/--actor-num-gpus-per-node`."""
+    return f"--{role}-num-nodes/--{role}-num-gpus-per-node"
+
+
 def _nodes_report(nodes: Sequence[Node], free: Sequence[Mapping[str, float]], demand: Mapping[str, float]) -> str:
     lines = []
     for node, left in zip(nodes, free, strict=True):
@@ -218,8 +223,8 @@ def fit_layout(nodes: Sequence[Node], groups: Sequence[NodeGroup], engines: Engi
                     f"node(s) with {_describe(group.per_node)} each"
                     + (f" beside the {', '.join(g.role for g in groups[:position])}" if position else "")
                     + f"; the cluster's {len(nodes)} node(s):\n{_nodes_report(nodes, free, group.per_node)}\n"
-                    "add nodes with these resources, or lower --actor-num-nodes/--actor-num-gpus-per-node, "
-                    "--train-num-cpus-per-rank or --train-resources"
+                    f"add nodes with these resources, or lower {_role_flags(group.role)}, --train-num-cpus-per-rank "
+                    "or --train-resources"
                 )
         raise LayoutError(
             f"no placement of the training ranks was found within {MAX_SEARCH_STEPS} steps: "
