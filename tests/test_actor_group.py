@@ -221,6 +221,23 @@ def test_release_kills_ranks_before_reload_and_save_points_next_create_at_it(tmp
     assert group.create() is None  # Already running: no second set of ranks.
 
 
+def test_start_init_overlaps_the_ranks_init_with_the_engines_start_and_create_registers_after(
+    tmp_path, no_ray, monkeypatch
+):
+    log: list = []
+    args = _args(tmp_path)
+    group = _group(args, log)
+    rank, manager = group._actor_handlers[0], group._rollout_manager
+    group._actor_handlers = []
+    monkeypatch.setattr(group, "_allocate_gpus_for_actor", lambda *a: group._actor_handlers.append(rank))
+    group.start_init()
+    group.start_init()  # once under way, not started again
+    assert [call[0] for call in log] == ["rank.init"]  # the rollout manager (still starting engines) is not asked
+    assert group.create(manager) == [5]
+    assert [call[0] for call in log] == ["rank.init", "manager.register_training_actors"]
+    assert group.create(manager) is None
+
+
 def test_manager_registration_only_moves_the_weight_version_forward(tmp_path, no_ray):
     log: list = []
     args = _args(tmp_path)

@@ -272,3 +272,44 @@ def test_a_refusal_raised_while_an_actor_starts_reaches_the_console_as_itself():
     assert type(_error_of_creation(died)) is RunInterrupted
     died.error_msg = "The actor died unexpectedly before finishing this task.\n\tclass_name: CPUEngineActor"
     assert _error_of_creation(died) is None
+
+
+def test_the_storage_check_probes_its_own_node_in_process(tmp_path, monkeypatch):
+    """The node the check runs on is probed by the checking process itself (no Ray task, no worker importing torch);
+    every other node still gets a task, and a failure on either is named."""
+    from slime.data import transport
+    from slime.errors import UsageError
+
+    args = SimpleNamespace(rollout_data_transport="straw", rollout_data_dir=str(tmp_path), save=None)
+    here, there = "aa" * 28, "bb" * 28
+    nodes = [
+        {"NodeID": node_id, "NodeManagerAddress": address, "Alive": True, "Resources": {"CPU": 1}}
+        for node_id, address in ((here, "10.0.0.1"), (there, "10.0.0.2"))
+    ]
+    monkeypatch.setattr(transport.ray, "nodes", lambda: nodes)
+    monkeypatch.setattr(transport.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(
+        transport.ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: here), raising=False
+    )
+    tasks = []
+
+    class Probe:
+        def options(self, scheduling_strategy):
+            tasks.append(scheduling_strategy.node_id)
+            return self
+
+        def remote(self, reference, root, args):
+            return probe(reference, root, args)
+
+    probe = transport._probe_storage  # the remote node's, which the second check leaves able to read the pool
+    monkeypatch.setattr(transport.ray, "remote", lambda **_: lambda fn: Probe())
+    monkeypatch.setattr(transport.ray, "get", lambda pending, timeout=None: pending)
+    transport.check_rollout_storage(args)
+    assert tasks == [there]
+
+    def local_pool_missing(reference, root, args):
+        raise FileNotFoundError(f"[Errno 2] No such file or directory: '{root}/marker'")
+
+    monkeypatch.setattr(transport, "_probe_storage", local_pool_missing)
+    with pytest.raises(UsageError, match=r"this node does not:\n  node 10\.0\.0\.1 \(aaaaaaaa\): FileNotFoundError"):
+        transport.check_rollout_storage(args)

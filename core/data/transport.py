@@ -485,19 +485,29 @@ def check_rollout_storage(args: Any) -> None:
         for node in ray.nodes()
         if node.get("Alive") and (node.get("Resources", {}).get("CPU") or node.get("Resources", {}).get("GPU"))
     ]
+    # This process's own node is probed here: a Ray task would start a worker that imports torch for the codec,
+    # seconds of CPU while the engines start, to prove what this process can prove itself.
+    here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    remote = [node for node in nodes if node["NodeID"] != here]
     probes = [
         probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(
             reference, args.rollout_data_dir, args
         )
-        for node in nodes
+        for node in remote
     ]
-    wheres = [f"node {node.get('NodeManagerAddress', '?')} ({node['NodeID'][:8]})" for node in nodes]
+    wheres = [_node_label(node) for node in remote]
     try:
         returned, failures = list(zip(wheres, ray.get(probes, timeout=STORAGE_PROBE_TIMEOUT_S), strict=True)), []
     except Exception as exc:
         returned, failures = _diagnose_probes(wheres, probes)
         if not returned and not failures:  # nothing to name: say what failed
             failures = [f"{type(exc).__name__}: {exc}"]
+    for node in nodes:
+        if node["NodeID"] == here:
+            try:
+                returned.append((_node_label(node), _probe_storage(reference, args.rollout_data_dir, args)))
+            except Exception as exc:
+                failures.append(f"{_node_label(node)}: {type(exc).__name__}: {exc}")
     failures += [f"{where}: reads another file there" for where, ref in returned if ref.load() != marker]
     release_payload_publications(args, [reference, *(ref for _, ref in returned)])
     if failures:
@@ -508,6 +518,10 @@ def check_rollout_storage(args: Any) -> None:
             + "\n  ".join(failures)
             + "\nmount the same shared filesystem (NFS, JuiceFS, ...) at that path on every node"
         )
+
+
+def _node_label(node: dict) -> str:
+    return f"node {node.get('NodeManagerAddress', '?')} ({node['NodeID'][:8]})"
 
 
 def _diagnose_probes(wheres: list[str], probes: list[Any]) -> tuple[list[tuple[str, Any]], list[str]]:

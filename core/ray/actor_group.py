@@ -82,6 +82,7 @@ class RayTrainGroup:
         self._weight_version = self.settings.update_weight_start_version
         self._actor_handlers: list[Any] = []
         self._awaiting_init = False
+        self._pending_init: list[Any] | None = None
 
     @property
     def world_size(self) -> int:
@@ -100,30 +101,49 @@ class RayTrainGroup:
         """Create the ranks' Ray actors without waiting for them or initializing them.
 
         Their processes start and import the training backend (seconds of CPU each: torch, transformers) in the
-        background, so a driver that spawns before it waits for the engines overlaps the two; `create` then
-        registers the ranks with the rollout manager and initializes them. Does nothing once ranks exist.
+        background; see `start_init` for starting their initialization too. Does nothing once ranks exist.
         """
         if not self._actor_handlers:
             self.args.update_weight_start_version = self._weight_version
             self._allocate_gpus_for_actor(self._pg, self._num_gpus_per_actor)
             self._awaiting_init = True
 
+    def start_init(self) -> None:
+        """Spawn the ranks (unless `spawn` did) and start their `init` without waiting for it.
+
+        A rank's `init` (load the model and optimizer, restore a checkpoint) needs neither the engines nor the
+        rollout manager, so a driver that starts it before it waits for the engines overlaps the two; `create`
+        then registers the ranks with the rollout manager and waits for the `init` started here. Does nothing
+        once an `init` is under way or done.
+        """
+        self.spawn()
+        if self._awaiting_init and self._pending_init is None:
+            self._pending_init = [
+                actor.init.remote(self.args, self.role, with_ref=self.with_ref, with_opd_teacher=self.with_opd_teacher)
+                for actor in self._actor_handlers
+            ]
+
     def create(self, rollout_manager: Any = None) -> list[int] | None:
-        """Start the ranks (unless `spawn` did), register them with the rollout manager and initialize them;
-        returns each rank's first rollout id (None if they were already initialized)."""
+        """Start the ranks and their `init` (unless `spawn`/`start_init` did), register them with the rollout
+        manager and wait for `init`; returns each rank's first rollout id (None if they were already initialized).
+
+        Ranks whose `init` was not started yet are registered first, so that they start with the rollout
+        manager's configuration (the weight version, the engines' URLs) in their arguments.
+        """
         if rollout_manager is not None:
             self._rollout_manager = rollout_manager
         if self._actor_handlers and not self._awaiting_init:
             return None
         self.spawn()
+        started = self._pending_init is not None
+        if not started:
+            self._register_with_rollout_manager()
+            self.start_init()
+        pending, self._pending_init = self._pending_init, None
         self._awaiting_init = False
-        self._register_with_rollout_manager()
-        return ray.get(
-            [
-                actor.init.remote(self.args, self.role, with_ref=self.with_ref, with_opd_teacher=self.with_opd_teacher)
-                for actor in self._actor_handlers
-            ]
-        )
+        if started:
+            self._register_with_rollout_manager()
+        return ray.get(pending)
 
     def release(self) -> None:
         """Kill the ranks (`--release-train`); the next `create` starts fresh ones."""

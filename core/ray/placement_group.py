@@ -140,10 +140,10 @@ def create_training_models(
             num_gpus_per_actor=pgs["critic"].num_gpus_per_bundle,
             role="critic",
         )
-    # The ranks' processes start while the rollout manager is still starting the engines.
+    # The ranks start and load their model while the rollout manager is still starting the engines.
     for group in (actor, critic):
         if group is not None:
-            group.spawn()
+            group.start_init()
     ray.get(rollout_manager.set_train_parallel_config.remote({"dp_size": actor.data_parallel_size}))
     start_ids = list(actor.create(rollout_manager) or [])
     if critic is not None:
