@@ -46,6 +46,7 @@ from slime.plugins.torch_settings import TrainSettings
 from slime.plugins.train_batch import TrainBatch, planned_schedule, rank_and_world
 from slime.specs import TrainBackendSpec
 from slime.storage_errors import with_context
+from slime.utils.hf_checkpoint import check_reference_vocabulary
 from slime.weight_sync import WeightUpdate, send_weights
 
 logger = logging.getLogger(__name__)
@@ -114,8 +115,12 @@ class TorchTrainRayActor:
         self.trained = self.parallel.prepare(self.model)
         self.ref_model = None
         if with_ref or settings.loss.kl_coef != 0.0:
-            # The reference is the policy the run started from, run in the same precision (and sharded alike).
-            self.ref_model = AutoModelForCausalLM.from_pretrained(self.hf_source, dtype=torch.float32).to(self.device)
+            # The reference is --ref-load, else the policy the run started from; run in the same precision (and
+            # sharded alike).
+            reference = settings.ref_load or self.hf_source
+            logger.info("rank %d loads the KL reference from %s", self.rank, reference)
+            self.ref_model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).to(self.device)
+            check_reference_vocabulary(self.model.config.vocab_size, self.ref_model.config, reference)
             self.ref_model.eval().requires_grad_(False)
             self.parallel.prepare(self.ref_model, trainable=False)
         # Built after sharding: under FSDP the optimizer holds this rank's shards (DTensors) only.

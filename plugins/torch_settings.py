@@ -22,8 +22,10 @@ class TrainSettings(Settings):
     """One torch training rank's settings (see the flags of the same names in `slime-run --help`)."""
 
     seed: int = option("seed", 1234, convert=int)
-    #: The model to train and the reference for `--kl-coef` (None: the built-in tiny model).
+    #: The model to train, and the KL loss's reference unless `ref_load` (None: the built-in tiny model).
     hf_checkpoint: str | None = option("hf_checkpoint")
+    #: The KL loss's reference model when not `hf_checkpoint` (a Hugging Face model directory).
+    ref_load: str | None = option("ref_load")
     load: str | None = option("load")
     ckpt_step: int | None = option("ckpt_step", convert=int, minimum=0)
     no_load_optim: bool = option("no_load_optim", False)

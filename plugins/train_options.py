@@ -7,11 +7,15 @@ torch and the Megatron backends both read them, through `slime.plugins.torch_opt
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from slime import hookimpl
 from slime.plugins.rl_losses import KL_ESTIMATORS, LOSS_AGG_MODES, TIS_MODES, LossSettings
 from slime.plugins.torch_optim import add_optimizer_options
+from slime.utils.hf_checkpoint import validate_hf_checkpoint_dir
+
+logger = logging.getLogger(__name__)
 
 
 @hookimpl
@@ -28,6 +32,14 @@ def slime_addoption(parser) -> None:
     )
     group.add_argument(
         "--kl-loss-coef", type=float, default=0.0, help="the KL loss's weight with --use-kl-loss (sets --kl-coef)"
+    )
+    group.add_argument(
+        "--ref-load",
+        metavar="DIR",
+        default=None,
+        help="the KL loss's reference model: a local Hugging Face model directory sharing the policy's tokenizer "
+        "(default: the model the run starts from, --hf-checkpoint). Read only with a KL loss (--use-kl-loss "
+        "--kl-loss-coef or --kl-coef above 0); upstream slime's Megatron checkpoints are not read",
     )
     group.add_argument(
         "--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus subtracted from the loss"
@@ -89,11 +101,27 @@ def apply_kl_loss_spelling(args: Any) -> None:
     args.kl_coef = kl_loss_coef
 
 
+def check_reference_model(args: Any, kl_coef: float) -> None:
+    """`--ref-load` names a complete model directory when a KL loss reads it; without one it is not loaded (upstream
+    scripts pass it with a KL weight of 0), which is said once."""
+    ref_load = getattr(args, "ref_load", None)
+    if not ref_load:
+        return
+    if not kl_coef:
+        logger.info("--ref-load %s is not loaded: the run has no KL loss (--use-kl-loss --kl-loss-coef > 0)", ref_load)
+        return
+    try:
+        validate_hf_checkpoint_dir(ref_load, flag="--ref-load", tokenizer=False)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from exc
+
+
 @hookimpl
 def slime_configure(args: Any) -> None:
     """Refuse, while the arguments are parsed, a loss no backend can run."""
     apply_kl_loss_spelling(args)
     loss = LossSettings.from_args(args)  # ValueError naming the flag for a value out of range
+    check_reference_model(args, loss.kl_coef)
     if loss.use_tis and getattr(args, "use_rollout_logprobs", False):
         raise ValueError(
             "--use-tis with --use-rollout-logprobs: the old policy's log-probs would be the engine's own, so every "

@@ -57,3 +57,16 @@ def test_another_megatron_core_version_is_refused_naming_both(capsys, monkeypatc
 def test_a_missing_megatron_core_is_refused_with_the_install_command(capsys, monkeypatch):
     monkeypatch.setattr(cpu_compat, "_installed_megatron_core_version", lambda: None)
     assert "found not installed" in _refused(capsys)
+
+
+def test_a_ref_load_of_another_architecture_is_refused_naming_each_difference():
+    from types import SimpleNamespace
+
+    from slime.plugins.megatron_backend.settings import check_same_architecture
+
+    policy = SimpleNamespace(model_type="qwen3", vocab_size=151936, hidden_size=1024, num_hidden_layers=28)
+    check_same_architecture(policy, SimpleNamespace(**vars(policy)), "/ckpt/same")
+    other = SimpleNamespace(**{**vars(policy), "hidden_size": 2048, "num_hidden_layers": 36})
+    with pytest.raises(ValueError, match=r"--ref-load /ckpt/4b is not the policy's architecture") as refused:
+        check_same_architecture(policy, other, "/ckpt/4b")
+    assert "hidden_size 2048 (policy: 1024), num_hidden_layers 36 (policy: 28);" in str(refused.value)

@@ -174,6 +174,37 @@ def test_kl_to_reference_starts_at_zero_and_grows(hf_dir, tmp_path):
     assert later[-1]["train/kl"] > 0.0
 
 
+def _other_qwen2(directory: Path, vocab_size: int) -> Path:
+    """A Qwen2 of another seed (and, with another `vocab_size`, another vocabulary) than `hf_dir`'s."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        Qwen2ForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def test_ref_load_is_the_kl_reference_instead_of_the_starting_model(hf_dir, tmp_path):
+    reference = _other_qwen2(tmp_path / "reference", vocab_size=64)
+    actor, _ = start(make_args(hf_dir, tmp_path, kl_coef=0.1, kl_loss_type="k3", ref_load=str(reference)))
+    assert actor.ref_model.config.num_hidden_layers == 1  # any architecture that scores the policy's tokens
+    assert actor.train_from_data(0, make_batch())["train/kl"] > 0.0  # the policy is not the reference at step 0
+
+    other_vocabulary = _other_qwen2(tmp_path / "other_vocabulary", vocab_size=80)
+    with pytest.raises(
+        ValueError, match=rf"--ref-load {other_vocabulary} has a vocabulary of 80 tokens but the policy has 64"
+    ):
+        start(make_args(hf_dir, tmp_path, kl_coef=0.1, ref_load=str(other_vocabulary)))
+
+
 def test_schedule_from_the_batch_builder_gives_one_step_per_global_batch(hf_dir, tmp_path):
     actor, _ = start(make_args(hf_dir, tmp_path))
     data = make_batch()

@@ -45,6 +45,29 @@ def test_a_flag_set_in_upstreams_spelling_lands_where_this_project_reads_it(tmp_
     assert args.balance_data is True
 
 
+def test_ref_load_names_the_kl_reference_and_is_checked_only_when_a_kl_loss_reads_it(tmp_path, capsys, caplog):
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    (reference / "config.json").write_text('{"model_type": "qwen2"}')
+    kl_loss = ("--use-kl-loss", "--kl-loss-coef", "0.01")
+    # An upstream script passes its Megatron checkpoint with a KL weight of 0: nothing reads it, so it stays a note.
+    with caplog.at_level("INFO"):
+        args = _parse(tmp_path, "--ref-load", str(tmp_path / "ref_torch_dist"))
+    assert args.ref_load == str(tmp_path / "ref_torch_dist")
+    assert "is not loaded: the run has no KL loss" in caplog.text
+    error = _refused(tmp_path, capsys, "--ref-load", str(tmp_path / "ref_torch_dist"), *kl_loss)
+    assert f"slime-run: error: --ref-load {tmp_path / 'ref_torch_dist'} is not a Hugging Face model directory" in error
+    error = _refused(tmp_path, capsys, "--ref-load", str(reference), *kl_loss)
+    assert f"--ref-load {reference} is not a usable Hugging Face model directory" in error
+    assert "no model weights" in error and "tokenizer" not in error.split("Fix:")[0]  # a reference needs no tokenizer
+    (reference / "model.safetensors").write_bytes(_EMPTY_SAFETENSORS)
+    assert _parse(tmp_path, "--ref-load", str(reference), *kl_loss).ref_load == str(reference)
+
+
+#: A valid safetensors file holding no tensors: an 8-byte header length, then the header `{}` padded to 8 bytes.
+_EMPTY_SAFETENSORS = (8).to_bytes(8, "little") + b"{}      "
+
+
 def test_this_projects_own_spellings_still_work(tmp_path):
     args = _parse(tmp_path, "--no-rewards-normalization", "--kl-coef", "0.05", "--global-batch-size", "16")
     assert args.rewards_normalization is False and args.grpo_std_normalization is True

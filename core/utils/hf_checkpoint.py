@@ -1,4 +1,5 @@
-"""Start-up check of a `--hf-checkpoint` directory: a run on an incomplete model fails before Ray starts.
+"""Start-up check of a `--hf-checkpoint` (or `--ref-load`) directory: a run on an incomplete model fails before Ray
+starts.
 
 `validate_hf_checkpoint_dir(path)` looks for what `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained` need from a local directory, without importing either: a readable
@@ -14,6 +15,7 @@ import json
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 FLAG = "--hf-checkpoint"
 SINGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -28,8 +30,8 @@ TOKENIZER_FILES = (
     ("vocab.txt",),
 )
 _FIX = (
-    f"point {FLAG} at a complete Hugging Face model directory (what `save_pretrained` writes for the model "
-    "and its tokenizer), or finish copying/downloading it"
+    "point {flag} at a complete Hugging Face model directory (what `save_pretrained` writes for the "
+    "model{and_tokenizer}), or finish copying/downloading it"
 )
 # Safetensors headers are JSON of at most 100 MB (the format's own limit).
 _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
@@ -130,26 +132,41 @@ def _config_problems(directory: Path) -> list[Problem]:
     return []
 
 
-def validate_hf_checkpoint_dir(path: str | os.PathLike) -> Path:
+def validate_hf_checkpoint_dir(path: str | os.PathLike, *, flag: str = FLAG, tokenizer: bool = True) -> Path:
     """Check that `path` is a complete local Hugging Face causal-LM directory; returns it resolved.
 
     Raises FileNotFoundError when the directory or any required file is missing, ValueError when files are
-    present but unreadable (invalid config.json, truncated safetensors). The message lists every problem.
+    present but unreadable (invalid config.json, truncated safetensors). The message lists every problem and names
+    `flag`. `tokenizer=False`: a model that only scores tokens (a reference model) needs no tokenizer files.
     """
     directory = Path(path).expanduser()
     if not directory.is_dir():
         what = "a file" if directory.exists() else "does not exist"
         raise FileNotFoundError(
-            f"{FLAG} {directory} is not a Hugging Face model directory ({what}); {FLAG} takes a local directory "
-            "holding config.json, the weights and the tokenizer files"
+            f"{flag} {directory} is not a Hugging Face model directory ({what}); {flag} takes a local directory "
+            "holding config.json, the weights" + (" and the tokenizer files" if tokenizer else "")
         )
-    problems = _config_problems(directory) + _weight_problems(directory) + _tokenizer_problems(directory)
+    problems = _config_problems(directory) + _weight_problems(directory)
+    if tokenizer:
+        problems += _tokenizer_problems(directory)
     if not problems:
         return directory.resolve()
     missing = any(kind is FileNotFoundError for kind, _ in problems)
+    fix = _FIX.format(flag=flag, and_tokenizer=" and its tokenizer" if tokenizer else "")
     message = (
-        f"{FLAG} {directory} is not a usable Hugging Face model directory:\n"
+        f"{flag} {directory} is not a usable Hugging Face model directory:\n"
         + "".join(f"  - {text}\n" for _, text in problems)
-        + f"  (it holds: {_listing(directory)})\nFix: {_FIX}."
+        + f"  (it holds: {_listing(directory)})\nFix: {fix}."
     )
     raise (FileNotFoundError if missing else ValueError)(message)
+
+
+def check_reference_vocabulary(policy_vocab_size: int, reference_config: Any, reference_dir: str) -> None:
+    """`--ref-load`: the reference model must score the policy's tokens, so both must have one vocabulary size."""
+    reference_vocab_size = getattr(reference_config, "vocab_size", None)
+    if reference_vocab_size != policy_vocab_size:
+        raise ValueError(
+            f"--ref-load {reference_dir} has a vocabulary of {reference_vocab_size} tokens but the policy has "
+            f"{policy_vocab_size}: the reference model scores the policy's tokens, so it must share its tokenizer "
+            "(a checkpoint of the same base model)"
+        )

@@ -16,10 +16,6 @@ NOT_IMPLEMENTED = {
         "engines and training ranks sharing the same GPUs, each offloaded in turn, is not implemented; they get "
         "devices of their own, and --release-train frees the training ranks' memory while the engines generate"
     ),
-    "--ref-load": (
-        "a reference model loaded from its own checkpoint is not implemented; the KL loss's reference is the model "
-        "the run started from (--hf-checkpoint)"
-    ),
 }
 
 

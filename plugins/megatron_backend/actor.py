@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from slime.plugins import torch_checkpoint as ckpt
 from slime.plugins.megatron_backend import checkpoint as mckpt
-from slime.plugins.megatron_backend.settings import MegatronSettings, check_model
+from slime.plugins.megatron_backend.settings import MegatronSettings, check_model, check_same_architecture
 from slime.plugins.rl_losses import METRIC_NAMES, pad_right, rl_loss
 from slime.plugins.torch_optim import lr_multiplier
 from slime.plugins.train_batch import TrainBatch, planned_schedule, rank_and_world
@@ -114,11 +114,14 @@ class MegatronTrainRayActor:
         )
         self.ref_model: list[Any] | None = None
         if with_ref or settings.train.loss.kl_coef != 0.0:
-            # The reference is the policy the run started from.
+            # The reference is --ref-load, else the policy the run started from; built with the policy's layout.
             from slime.plugins.megatron_backend.convert import load_hf_weights
 
+            reference = settings.train.ref_load or self.hf_source
+            if reference != self.hf_source:
+                check_same_architecture(self.hf_config, check_model(reference, settings, "--ref-load"), reference)
             self.ref_model = self._build(wrap_ddp=False)
-            load_hf_weights(self.ref_model, self.hf_source, self.layout)
+            load_hf_weights(self.ref_model, reference, self.layout)
             for chunk in self.ref_model:
                 chunk.eval().requires_grad_(False)
         self.global_step = 0

@@ -103,9 +103,9 @@ def check_model_support(settings: MegatronSettings) -> None:
         )
 
 
-def check_model(hf_dir: str, settings: MegatronSettings) -> Any:
+def check_model(hf_dir: str, settings: MegatronSettings, flag: str = "--hf-checkpoint") -> Any:
     """The Hugging Face config of `hf_dir`, checked: a supported family, and a layout that splits its heads and
-    layers evenly (imports megatron-core)."""
+    layers evenly (imports megatron-core). Errors name `flag`, the option that gave `hf_dir`."""
     from transformers import AutoConfig
 
     from slime.plugins.megatron_backend.cpu_compat import silence_fallback_notices
@@ -117,10 +117,38 @@ def check_model(hf_dir: str, settings: MegatronSettings) -> Any:
     try:
         hf_config = AutoConfig.from_pretrained(hf_dir)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"--hf-checkpoint {hf_dir}: cannot read its config.json ({exc})") from exc
+        raise ValueError(f"{flag} {hf_dir}: cannot read its config.json ({exc})") from exc
     try:
         family_of(hf_config)
         check_layout(hf_config, settings.layout)
     except ValueError as exc:
-        raise ValueError(f"--hf-checkpoint {hf_dir}: {exc}") from exc
+        raise ValueError(f"{flag} {hf_dir}: {exc}") from exc
     return hf_config
+
+
+#: What a reference model must share with the policy to be built with the policy's layout and score its tokens.
+ARCHITECTURE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
+
+
+def check_same_architecture(policy_config: Any, reference_config: Any, reference_dir: str) -> None:
+    """`--ref-load` on this backend: the reference is built with the policy's layout, so its shape must match."""
+    differences = [
+        f"{key} {getattr(reference_config, key, None)} (policy: {getattr(policy_config, key, None)})"
+        for key in ARCHITECTURE_KEYS
+        if getattr(reference_config, key, None) != getattr(policy_config, key, None)
+    ]
+    if differences:
+        raise ValueError(
+            f"--ref-load {reference_dir} is not the policy's architecture, which the Megatron backend needs to build "
+            f"the reference with the policy's layout: {', '.join(differences)}; give a checkpoint of the same model"
+        )
