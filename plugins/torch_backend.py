@@ -6,9 +6,10 @@ Hugging Face causal LM (`--hf-checkpoint`, default the built-in tiny model) on C
 `LOCAL_RANK` when CUDA is present. With `WORLD_SIZE > 1` (the group sets `MASTER_ADDR`, `MASTER_PORT`,
 `RANK`, `WORLD_SIZE` in each actor's environment, or passes them to the constructor) the model is wrapped
 in `DistributedDataParallel` over gloo (NCCL on GPU), or, with `--fsdp`, sharded with FSDP2; `--bf16` runs the
-forward passes under bfloat16 autocast and `--gradient-checkpointing` recomputes activations in the backward
-pass. How the models are wrapped and run is `slime.plugins.torch_parallel`'s job. `init` reads the run's
-arguments once, into a validated `slime.plugins.torch_settings.TrainSettings`; nothing else reads them.
+forward passes under bfloat16 autocast (`--fp16`: float16, with loss scaling) and `--gradient-checkpointing`
+recomputes activations in the backward pass. How the models are wrapped and run is
+`slime.plugins.torch_parallel`'s job. `init` reads the run's arguments once, into a validated
+`slime.plugins.torch_settings.TrainSettings`; nothing else reads them.
 
 One `train` call is one rollout step: the rank loads its shard (`process_rollout_data`), computes the
 old-policy (and, with `--kl-coef`, reference) log-probs of the response tokens, then takes one AdamW step
@@ -95,6 +96,7 @@ class TorchTrainRayActor:
             world_size=self.world_size,
             rank=self.rank,
             bf16=settings.bf16,
+            fp16=settings.fp16,
             fsdp=settings.fsdp,
             gradient_checkpointing=settings.gradient_checkpointing,
         )
@@ -207,6 +209,8 @@ class TorchTrainRayActor:
         scheduler_state = ckpt.load_state_file(directory / ckpt.SCHEDULER_FILE)
         self.scheduler.load_state_dict(scheduler_state["scheduler"])
         self.global_step = int(scheduler_state["global_step"])
+        if self.parallel.grad_scaler.is_enabled() and scheduler_state.get("grad_scaler"):
+            self.parallel.grad_scaler.load_state_dict(scheduler_state["grad_scaler"])
         if not self.settings.no_load_optim:
             # Every rank reads the full state (by parameter name) and keeps its part (its shard under FSDP).
             state = ckpt.load_state_file(directory / ckpt.OPTIMIZER_FILE)
@@ -240,6 +244,7 @@ class TorchTrainRayActor:
         rollout_log_probs = batch.rollout_log_probs(data) if loss.use_tis and "rollout_log_probs" in data else None
 
         clip_grad = self.settings.optimizer.clip_grad
+        scaler = self.parallel.grad_scaler
         sums = torch.zeros(len(METRIC_NAMES) + 1, dtype=torch.float64)
         grad_norms = []
         skipped = 0
@@ -257,7 +262,7 @@ class TorchTrainRayActor:
                     if not indices:
                         # Keeps the collectives (DDP's all-reduce; FSDP's all-gathers and reduce-scatter) in step
                         # with ranks that do have samples here.
-                        self.parallel.dummy_loss(self.trained).backward()
+                        scaler.scale(self.parallel.dummy_loss(self.trained)).backward()
                         continue
                     log_probs, mask, entropy = self._log_probs(self.trained, batch, indices)
                     ref = rollout = None
@@ -277,12 +282,15 @@ class TorchTrainRayActor:
                     )
                     # Summed over the global batch and divided by its samples or tokens; DDP and FSDP average over
                     # ranks, which the world size undoes.
-                    (sample_loss.sum() * (self.world_size / denominator)).backward()
+                    scaler.scale(sample_loss.sum() * (self.world_size / denominator)).backward()
                     sums[:-1] += sample_metrics.sum(dim=1).double().cpu()
                     sums[-1] += len(indices)
             params = [p for p in self.model.parameters() if p.grad is not None]
-            grad_norms.append(self.parallel.clip_grad_norm(params, clip_grad))
-            self.optimizer.step()
+            grad_norm = self.parallel.optimizer_step(self.optimizer, params, clip_grad)
+            if grad_norm is None:  # --fp16: the scaled gradients overflowed; the optimizer did not step
+                skipped += 1
+                continue
+            grad_norms.append(grad_norm)
             self.scheduler.step()
             self.global_step += 1
         sums = self._all_reduce(sums)
@@ -496,7 +504,11 @@ class TorchTrainRayActor:
         if optimizer_state is not None:
             torch.save(optimizer_state, staging / ckpt.OPTIMIZER_FILE)
         torch.save(
-            {"scheduler": self.scheduler.state_dict(), "global_step": self.global_step},
+            {
+                "scheduler": self.scheduler.state_dict(),
+                "global_step": self.global_step,
+                "grad_scaler": self.parallel.grad_scaler.state_dict(),  # {} without --fp16
+            },
             staging / ckpt.SCHEDULER_FILE,
         )
         ckpt.publish_dir(staging, ckpt.iter_dir(root, rollout_id))
@@ -552,7 +564,7 @@ def slime_train_backends() -> Iterable[TrainBackendSpec]:
             "torch",
             TorchTrainRayActor,
             "PyTorch policy trainer (HF causal LM, AdamW, GRPO/PPO clipped loss, DDP or FSDP2 over gloo/NCCL, "
-            "--bf16 autocast); CPU or one GPU per rank; plain class, wrapped with ray.remote by RayTrainGroup",
+            "--bf16/--fp16 autocast); CPU or one GPU per rank; plain class, wrapped with ray.remote by RayTrainGroup",
             deterministic=TrainSettings.from_args,
         )
     ]
@@ -580,5 +592,15 @@ def slime_addoption(parser) -> None:
 
 @hookimpl
 def slime_configure(args: Any) -> None:
-    """Refuse, while the arguments are parsed, LoRA flags this run cannot use (`slime.plugins.torch_lora`)."""
+    """Refuse, while the arguments are parsed, LoRA flags this run cannot use (`slime.plugins.torch_lora`) and
+    precision flags it cannot combine."""
     torch_lora.check_args(args)
+    if (
+        getattr(args, "train_backend", "torch") == "torch"
+        and getattr(args, "fp16", False)
+        and getattr(args, "fsdp", False)
+    ):
+        raise ValueError(
+            "--fp16 with --fsdp is not supported (loss scaling over FSDP2's sharded gradients is not implemented); "
+            "use --bf16 with --fsdp, which needs no loss scaling"
+        )

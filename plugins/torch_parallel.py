@@ -1,7 +1,7 @@
 """How a torch training rank wraps and runs its models: precision, activation checkpointing, DDP or FSDP2.
 
-`Parallelism` is built once per rank from `TrainSettings` (`--bf16`, `--gradient-checkpointing`, `--fsdp`) and is
-the only place that knows how the models are wrapped. The backend (`slime.plugins.torch_backend`) keeps the
+`Parallelism` is built once per rank from `TrainSettings` (`--bf16`/`--fp16`, `--gradient-checkpointing`, `--fsdp`)
+and is the only place that knows how the models are wrapped. The backend (`slime.plugins.torch_backend`) keeps the
 Hugging Face module as `model` (sharded in place under FSDP) and asks this object to `prepare` it, to run
 forward passes (`logits`), to scope gradient synchronisation over micro batches (`gradient_sync`), to clip the
 gradient norm and to produce the full, Hugging Face-named state dicts its checkpoints and weight exports write.
@@ -25,6 +25,13 @@ Weights, gradients, their all-reduce / reduce-scatter and the AdamW state stay f
 What autocast does not save is weight memory (float32 weights are cast per forward; the casts are cached
 within one forward). On GPU, FSDP2's `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)` would
 also halve the all-gather bytes; it is not used so that FSDP and DDP compute exactly the same numbers.
+
+**`--fp16`: the same, in float16, with dynamic loss scaling.** Forward passes run under float16 autocast; float16's
+narrow range makes small gradients underflow, so every backward pass runs on the loss times a scale
+(`torch.amp.GradScaler`), the gradients are unscaled before clipping, and a step whose gradients hold an inf or NaN
+is skipped and the scale halved (it grows again after 2000 clean steps). The scale is saved with the checkpoint's
+schedule, so a resumed run scales as the uninterrupted one would. Not with `--fsdp`: FSDP2's sharded gradients
+would need a sharded scaler.
 
 **FSDP (`--fsdp`).** `fully_shard` on every decoder layer (the classes in the model's `_no_split_modules`), then on
 the root, over the default process group (gloo on CPU, NCCL on GPU); the reference model is sharded the same
@@ -58,7 +65,7 @@ CHECKPOINTING_KWARGS = {"use_reentrant": False}
 
 
 class Parallelism:
-    """How this rank's models are wrapped (DDP / FSDP2 / none) and run (float32 or bf16 autocast)."""
+    """How this rank's models are wrapped (DDP / FSDP2 / none) and run (float32, or bf16 or fp16 autocast)."""
 
     def __init__(
         self,
@@ -67,6 +74,7 @@ class Parallelism:
         world_size: int,
         rank: int,
         bf16: bool = False,
+        fp16: bool = False,
         fsdp: bool = False,
         gradient_checkpointing: bool = False,
     ) -> None:
@@ -74,6 +82,9 @@ class Parallelism:
         self.world_size = world_size
         self.rank = rank
         self.bf16 = bf16
+        self.fp16 = fp16
+        #: Scales every backward pass's loss under `--fp16` (float16 gradients underflow); a pass-through otherwise.
+        self.grad_scaler = torch.amp.GradScaler(device.type, enabled=fp16)
         self.fsdp = fsdp
         self.gradient_checkpointing = gradient_checkpointing
         self._ddp: Any = None
@@ -137,10 +148,26 @@ class Parallelism:
     # ---------------------------------------------------------------- running
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """bfloat16 autocast on the model's device type with `--bf16`; nothing otherwise."""
-        if not self.bf16:
+        """bfloat16 (`--bf16`) or float16 (`--fp16`) autocast on the model's device type; nothing otherwise."""
+        if not (self.bf16 or self.fp16):
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=self.device.type, dtype=torch.float16 if self.fp16 else torch.bfloat16)
+
+    def optimizer_step(
+        self, optimizer: torch.optim.Optimizer, parameters: list[torch.nn.Parameter], max_norm: float
+    ) -> float | None:
+        """Clip the gradients (unscaled first under `--fp16`) and step `optimizer`; returns the gradient norm before
+        clipping, or None when `--fp16`'s scaled gradients overflowed: then the step is skipped and the scale lowered
+        (every rank decides alike: the gradients were reduced over the ranks)."""
+        scaler = self.grad_scaler
+        scaler.unscale_(optimizer)
+        norm = self.clip_grad_norm(parameters, max_norm)
+        scale = scaler.get_scale() if scaler.is_enabled() else None
+        scaler.step(optimizer)
+        scaler.update()
+        if scale is not None and scaler.get_scale() < scale:
+            return None
+        return norm
 
     def logits(self, module: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """`module(tokens).logits` in this rank's precision (bf16 under `--bf16`: the loss upcasts them)."""

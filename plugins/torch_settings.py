@@ -40,6 +40,8 @@ class TrainSettings(Settings):
     #: bfloat16 autocast for every forward pass; weights, gradients and optimizer state stay float32
     #: (`slime.plugins.torch_parallel`).
     bf16: bool = option("bf16", False)
+    #: float16 autocast with dynamic loss scaling (`torch.amp.GradScaler`); weights and optimizer state float32.
+    fp16: bool = option("fp16", False)
     #: Recompute decoder layers' activations in the backward pass (Hugging Face, non-reentrant).
     gradient_checkpointing: bool = option("gradient_checkpointing", False)
     #: Shard the model with FSDP2 instead of replicating it with DDP (also at world size 1: nothing to shard).

@@ -82,6 +82,13 @@ def slime_addoption(parser) -> None:
         action="store_true",
         help="train in bfloat16 with float32 master weights in the optimizer (default: float32 throughout)",
     )
+    precision.add_argument(
+        "--fp16",
+        action="store_true",
+        help="train in float16 autocast with float32 master weights and dynamic loss scaling: an optimizer step "
+        "whose scaled gradients overflow is skipped (counted in train/skipped_steps) and the scale halved; torch "
+        "backend, without --fsdp",
+    )
 
 
 def apply_kl_loss_spelling(args: Any) -> None:
@@ -120,6 +127,8 @@ def check_reference_model(args: Any, kl_coef: float) -> None:
 def slime_configure(args: Any) -> None:
     """Refuse, while the arguments are parsed, a loss no backend can run."""
     apply_kl_loss_spelling(args)
+    if getattr(args, "bf16", False) and getattr(args, "fp16", False):
+        raise ValueError("--bf16 with --fp16: choose one training precision")
     loss = LossSettings.from_args(args)  # ValueError naming the flag for a value out of range
     check_reference_model(args, loss.kl_coef)
     if loss.use_tis and getattr(args, "use_rollout_logprobs", False):

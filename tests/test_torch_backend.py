@@ -489,3 +489,56 @@ def test_two_rank_ddp_over_gloo_keeps_ranks_identical_and_matches_one_process(hf
         assert math.isclose(got["train/loss"], want["train/loss"], rel_tol=1e-4, abs_tol=1e-6)
     diff = max((ranks[0]["params"][k] - v).abs().max().item() for k, v in params(single).items())
     assert diff < 1e-4, diff
+
+
+# ------------------------------------------------------------ --fp16
+
+
+def test_fp16_trains_with_loss_scaling_and_float32_master_weights(hf_dir, tmp_path):
+    actor, _ = start(make_args(hf_dir, tmp_path, fp16=True))
+    scaler = actor.parallel.grad_scaler
+    assert scaler.is_enabled() and scaler.get_scale() == 2.0**16
+    before = params(actor)
+    metrics = actor.train_from_data(0, make_batch())
+    assert metrics["train/steps"] == 1.0 and metrics["train/skipped_steps"] == 0.0
+    assert math.isfinite(metrics["train/grad_norm"]) and metrics["train/grad_norm"] > 0
+    after = params(actor)
+    assert all(v.dtype == torch.float32 for v in after.values())
+    assert any(not torch.equal(before[k], v) for k, v in after.items())
+
+
+def test_an_fp16_step_whose_scaled_gradients_overflow_is_skipped_and_the_scale_lowered(hf_dir, tmp_path):
+    actor, _ = start(make_args(hf_dir, tmp_path, fp16=True))
+    actor.parallel.grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**64)  # float16 gradients overflow
+    before = params(actor)
+    metrics = actor.train_from_data(0, make_batch())
+    assert (metrics["train/steps"], metrics["train/skipped_steps"]) == (0.0, 1.0)
+    assert all(torch.equal(before[k], v) for k, v in params(actor).items()) and actor.global_step == 0
+    assert actor.parallel.grad_scaler.get_scale() == 2.0**63
+
+
+def test_the_fp16_loss_scale_is_saved_and_restored_with_the_checkpoint(hf_dir, tmp_path):
+    args = make_args(hf_dir, tmp_path, fp16=True)
+    first, _ = start(args)
+    first.parallel.grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**64)
+    first.train_from_data(0, make_batch())  # overflows: the scale halves
+    first.save_model(0)
+    resumed, _ = start(make_args(hf_dir, tmp_path, fp16=True, load=args.save))
+    assert resumed.parallel.grad_scaler.get_scale() == 2.0**63
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--bf16", "--fp16"], "--bf16 with --fp16: choose one training precision"),
+        (["--fp16", "--fsdp"], "--fp16 with --fsdp is not supported"),
+        (["--fp16", "--train-backend", "megatron"], "--fp16: the Megatron backend here trains in float32 or --bf16"),
+    ],
+)
+def test_precision_flags_a_run_cannot_use_are_refused_at_parse_time(argv, expected, capsys) -> None:
+    from slime.utils.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--plugin", "straw", *argv])
+    assert expected in capsys.readouterr().err
+    assert parse_args(["--plugin", "straw", "--fp16"]).fp16 is True

@@ -95,7 +95,12 @@ def check_cpu_support(settings: MegatronSettings) -> None:
 
 
 def check_model_support(settings: MegatronSettings) -> None:
-    """Refuse options that have no meaning for the dense model families this backend builds."""
+    """Refuse options that have no meaning for the dense model families this backend builds, or that it lacks."""
+    if settings.train.fp16:
+        raise ValueError(
+            "--fp16: the Megatron backend here trains in float32 or --bf16 (float16 loss scaling is not wired); "
+            "use --bf16, or --train-backend torch for --fp16"
+        )
     if settings.expert_model_parallel_size > 1:
         raise ValueError(
             f"--expert-model-parallel-size {settings.expert_model_parallel_size}: the Megatron backend builds the "
