@@ -3,7 +3,6 @@ with how long it was tried, and the demo run on a cluster started with `ray star
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -17,7 +16,7 @@ import pytest
 from slime.errors import UsageError
 from slime.ray.cluster import RaySettings, split_address, wait_for_address
 from slime.testing import run_records
-from slime.testing.ray_head import free_port, ray_head
+from slime.testing.ray_head import cluster_state, free_port, ray_head
 from slime.utils.external_utils.slime_run_process import SlimeRunProcess
 
 
@@ -86,25 +85,6 @@ def head():
         yield started
 
 
-CLUSTER_RESOURCES = """
-import json, sys, ray
-ray.init(address=sys.argv[1], logging_level="ERROR")
-print(json.dumps({"total": ray.cluster_resources().get("CPU", 0), "free": ray.available_resources().get("CPU", 0)}))
-"""
-
-
-def _cluster_cpus(address: str, env: dict[str, str]) -> dict[str, float]:
-    result = subprocess.run(
-        [sys.executable, "-c", CLUSTER_RESOURCES, address],
-        env={**env, "RAY_AUTH_MODE": "token"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.e2e
 def test_the_demo_runs_on_a_cluster_it_joins_and_leaves_it_running_and_free(tmp_path: Path, head):
     address, env = head
@@ -119,6 +99,6 @@ def test_the_demo_runs_on_a_cluster_it_joins_and_leaves_it_running_and_free(tmp_
     assert sorted(run_records.metrics_by_step(save, ("rollout/reward",))) == [0, 1, 2]
     # The run's actors and placement groups ended with it; the cluster is still up, every CPU free again.
     deadline = time.monotonic() + 60
-    while (cpus := _cluster_cpus(address, env))["free"] != cpus["total"] and time.monotonic() < deadline:
+    while (cpus := cluster_state(address, env))["free_cpus"] != cpus["total_cpus"] and time.monotonic() < deadline:
         time.sleep(2)
-    assert cpus == {"total": 4.0, "free": 4.0}
+    assert cpus == {"alive_nodes": 1, "total_cpus": 4.0, "free_cpus": 4.0}

@@ -83,18 +83,33 @@ class WorkerNode:
             time.sleep(1)
 
 
-def _alive_nodes(address: str, env: Mapping[str, str]) -> int:
-    probe = "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
-    probe += "print(sum(1 for node in ray.nodes() if node['Alive']))"
+_CLUSTER_STATE = """
+import json, sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR")
+print(json.dumps({
+    "alive_nodes": sum(1 for node in ray.nodes() if node["Alive"]),
+    "total_cpus": ray.cluster_resources().get("CPU", 0),
+    "free_cpus": ray.available_resources().get("CPU", 0),
+}))
+"""
+
+
+def cluster_state(address: str, env: Mapping[str, str]) -> dict[str, float]:
+    """What a fresh driver sees of the cluster at `address`: `alive_nodes`, `total_cpus` and `free_cpus` (from a
+    separate process, so the caller never joins the cluster itself)."""
     result = subprocess.run(
-        [sys.executable, "-c", probe, address],
+        [sys.executable, "-c", _CLUSTER_STATE, address],
         env={**env, "RAY_AUTH_MODE": "token"},
         capture_output=True,
         text=True,
         timeout=120,
         check=True,
     )
-    return int(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _alive_nodes(address: str, env: Mapping[str, str]) -> int:
+    return int(cluster_state(address, env)["alive_nodes"])
 
 
 @contextmanager
