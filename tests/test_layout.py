@@ -114,19 +114,40 @@ def test_engines_asking_for_nothing_fit_anywhere():
 # ------------------------------------------------------------------------------------ engines and relaunches
 
 
-def test_engine_demand_is_the_plugins_declaration_plus_the_flag():
+def test_engine_demand_is_the_plugins_declaration_plus_the_flag_on_this_machine(monkeypatch):
     from slime.plugin_manager import registry_for
     from slime.plugins import cpu_engine
 
+    monkeypatch.setattr(layout, "this_machine", lambda: "10.0.0.9")
     assert registry_for(None).get("rollout_engines", "cpu").resources is cpu_engine.engine_resources
     args = SimpleNamespace(rollout_engine="cpu", cpu_engine_num_cpus=0.5, rollout_resources={"r": 1.0})
-    assert layout.engine_demand(args, 3) == EngineDemand(3, {"CPU": 0.5, "r": 1.0})
+    assert layout.engine_demand(args, 3) == EngineDemand(3, {"CPU": 0.5, "r": 1.0}, machine="10.0.0.9")
     assert layout.engine_actor_options(args, {"CPU": 0.5}) == {
         "num_cpus": 0.5,
         "num_gpus": 0.0,
-        "resources": {"r": 1.0},
+        "resources": {"r": 1.0, "node:10.0.0.9": layout.MACHINE_MARKER_AMOUNT},
     }
-    assert layout.engine_actor_options(SimpleNamespace(), {}) == {"num_cpus": 0.0, "num_gpus": 0.0, "resources": None}
+    assert layout.engine_actor_options(SimpleNamespace(), {}) == {
+        "num_cpus": 0.0,
+        "num_gpus": 0.0,
+        "resources": {"node:10.0.0.9": layout.MACHINE_MARKER_AMOUNT},
+    }
+
+
+def test_engines_stay_on_the_machine_whose_loopback_they_listen_on():
+    """Engines listen on 127.0.0.1: a node of another machine is never chosen for them, and a layout that would need
+    one says so; nodes of the same machine (same address) are all usable."""
+    here, there = _node("a", CPU=1), _node("cc", CPU=4, rollout=2)
+    also_here = Node(node_id="b" * 32, address=here.address, resources={"CPU": 2.0}, is_head=False)
+    assert fit_layout([there, here, also_here], [], EngineDemand(3, {"CPU": 1}, machine=here.address)) == {
+        "engines": [here.node_id, also_here.node_id, also_here.node_id]
+    }
+    with pytest.raises(LayoutError) as refused:
+        fit_layout([here, there], [], EngineDemand(1, {"rollout": 1}, machine=here.address))
+    message = str(refused.value)
+    assert "node 10.0.0.1 (a0000000): lacks rollout 1 (has 0); total {CPU: 1}" in message
+    assert "node 10.0.0.2 (cc000000): on another machine than the rollout manager's (10.0.0.1)" in message
+    assert message.endswith("engines listen on 127.0.0.1, so they run on the driver's machine only")
 
 
 class _Launcher:

@@ -102,10 +102,16 @@ class NodeGroup:
 
 @dataclass(frozen=True)
 class EngineDemand:
-    """`num_engines` rollout engines, each asking for `per_engine`, anywhere."""
+    """`num_engines` rollout engines, each asking for `per_engine`, on nodes of the machine at `machine` (None:
+    anywhere).
+
+    Engines listen on 127.0.0.1 (a server reachable from other machines would need a per-run API key that every
+    client sends, which slime-rl does not have yet), so they must run on the rollout manager's machine, the driver's.
+    """
 
     num_engines: int
     per_engine: Mapping[str, float]
+    machine: str | None = None
 
 
 def alive_nodes() -> list[Node]:
@@ -241,15 +247,22 @@ def fit_layout(nodes: Sequence[Node], groups: Sequence[NodeGroup], engines: Engi
 
 def _place_engines(nodes: Sequence[Node], engines: EngineDemand, free: list[dict[str, float]], after: bool) -> list:
     placed = []
+    usable = [engines.machine is None or node.address == engines.machine for node in nodes]
     for number in range(engines.num_engines):
-        index = next((i for i in range(len(nodes)) if _fits(free[i], engines.per_engine)), None)
+        index = next((i for i in range(len(nodes)) if usable[i] and _fits(free[i], engines.per_engine)), None)
         if index is None:
+            elsewhere = f"on another machine than the rollout manager's ({engines.machine})"
+            report = "\n".join(
+                line if fits else line.split(": ", 1)[0] + f": {elsewhere}"
+                for line, fits in zip(_nodes_report(nodes, free, engines.per_engine).splitlines(), usable, strict=True)
+            )
             raise LayoutError(
                 f"the cluster cannot hold this run's layout: {engines.num_engines} rollout engine(s) need "
                 f"{_describe(engines.per_engine)} each and {number} fit"
                 + (" beside the training ranks" if after else "")
-                + f"; engine {number + 1} does not:\n{_nodes_report(nodes, free, engines.per_engine)}\n"
+                + f"; engine {number + 1} does not:\n{report}\n"
                 "add nodes with these resources, or lower --rollout-num-engines or --rollout-resources"
+                + ("; engines listen on 127.0.0.1, so they run on the driver's machine only" if not all(usable) else "")
             )
         _take(free[index], engines.per_engine)
         placed.append(nodes[index].node_id)
@@ -258,21 +271,35 @@ def _place_engines(nodes: Sequence[Node], engines: EngineDemand, free: list[dict
 
 def engine_actor_options(args: Any, per_engine: Mapping[str, float]) -> dict[str, Any]:
     """Ray actor options for one engine asking for `per_engine` (its plugin's CPU/GPU) plus the run's
-    `--rollout-resources`: what engine launchers pass to `.options(...)`, so engines land where `fit_layout` found
-    room."""
+    `--rollout-resources`, on this process's machine (Ray's `node:<address>` marker; see `EngineDemand`): what engine
+    launchers pass to `.options(...)` from the rollout manager, so engines land where `fit_layout` found room."""
     from slime.ray.settings import ServingSettings
 
     custom = dict(ServingSettings.from_args(args).rollout_resources)
+    custom[f"node:{this_machine()}"] = MACHINE_MARKER_AMOUNT
     return {
         "num_cpus": float(per_engine.get("CPU", 0.0)),
         "num_gpus": float(per_engine.get("GPU", 0.0)),
-        "resources": custom or None,
+        "resources": custom,
     }
+
+
+#: How much of a node's `node:<address>` marker (1.0 per node) an engine asks for: any amount pins it to the machine.
+MACHINE_MARKER_AMOUNT = 0.001
+
+
+def this_machine() -> str:
+    """The address of the Ray node this process runs on (Ray must be initialised)."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    return next(str(node["NodeManagerAddress"]) for node in ray.nodes() if node["NodeID"] == here)
 
 
 def engine_demand(args: Any, num_engines: int) -> EngineDemand:
     """What `num_engines` engines of `--rollout-engine` ask for: its spec's `resources(args)` plus
-    `--rollout-resources`."""
+    `--rollout-resources`, on this process's machine (call it on the driver's node: the driver or the rollout
+    manager)."""
     from slime.plugin_manager import registry_for
     from slime.ray.settings import ServingSettings
 
@@ -281,7 +308,7 @@ def engine_demand(args: Any, num_engines: int) -> EngineDemand:
     per_engine = {key: float(amount) for key, amount in declared.items() if amount}
     for key, amount in ServingSettings.from_args(args).rollout_resources:
         per_engine[key] = per_engine.get(key, 0.0) + amount
-    return EngineDemand(num_engines, per_engine)
+    return EngineDemand(num_engines, per_engine, machine=this_machine())
 
 
 def check_engines_fit(args: Any, num_engines: int) -> None:
