@@ -334,3 +334,10 @@ def test_the_storage_check_probes_its_own_node_in_process(tmp_path, monkeypatch)
     monkeypatch.setattr(transport, "_probe_storage", local_pool_missing)
     with pytest.raises(UsageError, match=r"this node does not:\n  node 10\.0\.0\.1 \(aaaaaaaa\): FileNotFoundError"):
         transport.check_rollout_storage(args)
+
+    def a_bug(reference, root, args):
+        raise TypeError("a bug in the probe")
+
+    monkeypatch.setattr(transport, "_probe_storage", a_bug)
+    with pytest.raises(TypeError, match="a bug in the probe"):  # not reported as the node's storage failing
+        transport.check_rollout_storage(args)

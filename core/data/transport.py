@@ -478,7 +478,9 @@ def check_rollout_storage(args: Any) -> None:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     marker = uuid.uuid4().hex
-    reference = pack_rollout_payload(marker, args, 0)
+    reference = pack_rollout_payload(marker, args, 0)  # first: it names a missing straw-queue
+    from straw.errors import QueueError
+
     probe = ray.remote(num_cpus=0)(_probe_storage)
     nodes = [
         node
@@ -506,7 +508,7 @@ def check_rollout_storage(args: Any) -> None:
         if node["NodeID"] == here:
             try:
                 returned.append((_node_label(node), _probe_storage(reference, args.rollout_data_dir, args)))
-            except Exception as exc:
+            except (OSError, QueueError) as exc:  # the pool is not usable here; anything else is a bug: raised
                 failures.append(f"{_node_label(node)}: {type(exc).__name__}: {exc}")
     failures += [f"{where}: reads another file there" for where, ref in returned if ref.load() != marker]
     release_payload_publications(args, [reference, *(ref for _, ref in returned)])
