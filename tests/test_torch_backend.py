@@ -24,23 +24,29 @@ from slime.weight_sync import WeightUpdate
 PROMPT_LEN, RESPONSE_LEN = 4, 3
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def save_tiny_qwen2(directory: Path, *, seed: int, vocab_size: int = 64, width: int = 64, layers: int = 2) -> Path:
+    """A randomly initialised Qwen2 (`width` hidden units, twice that in the MLP, 4 heads per 64) saved to
+    `directory`."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    heads = max(1, width // 16)
     config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
     )
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config)
-    directory = tmp_path_factory.mktemp("tiny-qwen2")
-    model.save_pretrained(directory, safe_serialization=True)
+        torch.manual_seed(seed)
+        Qwen2ForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = save_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"), seed=0)
     (directory / "tokenizer.json").write_text('{"marker": "tokenizer"}')
     return directory
 
@@ -174,31 +180,13 @@ def test_kl_to_reference_starts_at_zero_and_grows(hf_dir, tmp_path):
     assert later[-1]["train/kl"] > 0.0
 
 
-def _other_qwen2(directory: Path, vocab_size: int) -> Path:
-    """A Qwen2 of another seed (and, with another `vocab_size`, another vocabulary) than `hf_dir`'s."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        Qwen2ForCausalLM(config).save_pretrained(directory, safe_serialization=True)
-    return directory
-
-
 def test_ref_load_is_the_kl_reference_instead_of_the_starting_model(hf_dir, tmp_path):
-    reference = _other_qwen2(tmp_path / "reference", vocab_size=64)
+    reference = save_tiny_qwen2(tmp_path / "reference", seed=1, width=32, layers=1)  # another model, same vocabulary
     actor, _ = start(make_args(hf_dir, tmp_path, kl_coef=0.1, kl_loss_type="k3", ref_load=str(reference)))
     assert actor.ref_model.config.num_hidden_layers == 1  # any architecture that scores the policy's tokens
     assert actor.train_from_data(0, make_batch())["train/kl"] > 0.0  # the policy is not the reference at step 0
 
-    other_vocabulary = _other_qwen2(tmp_path / "other_vocabulary", vocab_size=80)
+    other_vocabulary = save_tiny_qwen2(tmp_path / "other_vocabulary", seed=1, vocab_size=80, width=32, layers=1)
     with pytest.raises(
         ValueError, match=rf"--ref-load {other_vocabulary} has a vocabulary of 80 tokens but the policy has 64"
     ):

@@ -204,12 +204,13 @@ def _role_flags(role: str) -> str:
     return f"--{role}-num-nodes/--{role}-num-gpus-per-node"
 
 
+def _node_line(node: Node, left: Mapping[str, float], demand: Mapping[str, float]) -> str:
+    lacks = _lacks(left, demand)
+    return f"  {node.label}: {'lacks ' + lacks if lacks else 'has room'}; total {_describe(node.resources)}"
+
+
 def _nodes_report(nodes: Sequence[Node], free: Sequence[Mapping[str, float]], demand: Mapping[str, float]) -> str:
-    lines = []
-    for node, left in zip(nodes, free, strict=True):
-        lacks = _lacks(left, demand)
-        lines.append(f"  {node.label}: {'lacks ' + lacks if lacks else 'has room'}; total {_describe(node.resources)}")
-    return "\n".join(lines)
+    return "\n".join(_node_line(node, left, demand) for node, left in zip(nodes, free, strict=True))
 
 
 def fit_layout(nodes: Sequence[Node], groups: Sequence[NodeGroup], engines: EngineDemand | None) -> dict[str, Any]:
@@ -253,8 +254,8 @@ def _place_engines(nodes: Sequence[Node], engines: EngineDemand, free: list[dict
         if index is None:
             elsewhere = f"on another machine than the rollout manager's ({engines.machine})"
             report = "\n".join(
-                line if fits else line.split(": ", 1)[0] + f": {elsewhere}"
-                for line, fits in zip(_nodes_report(nodes, free, engines.per_engine).splitlines(), usable, strict=True)
+                _node_line(node, left, engines.per_engine) if fits else f"  {node.label}: {elsewhere}"
+                for node, left, fits in zip(nodes, free, usable, strict=True)
             )
             raise LayoutError(
                 f"the cluster cannot hold this run's layout: {engines.num_engines} rollout engine(s) need "
