@@ -230,6 +230,9 @@ def _run(args: Any) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     args, restore_plan = run_transport(args).resolve_restore()
+    parent = (restore_plan.branch or {}).get("parent")
+    if parent:
+        logger.info("continuing from the joint commit of step %s in %s", parent["step"], parent["directory"])
     # Settle storage paths once here, so checkpoints record them and every actor sees the same ones.
     run_transport(args).prepare_storage()
     try:

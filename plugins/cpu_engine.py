@@ -87,6 +87,7 @@ class CPUEngineActor:
         batch_wait_s: float = 0.005,
         num_threads: int | None = 1,
         *,
+        batch_per_request: bool = False,
         name: str = "CPU engine",
         log_path: str | None = None,
         host: str = ENGINE_HOST,
@@ -98,17 +99,26 @@ class CPUEngineActor:
             "seed": seed,
             "max_batch_size": max_batch_size,
             "batch_wait_s": batch_wait_s,
+            "batch_per_request": batch_per_request,
             "num_threads": num_threads,
         }
         self._model_path, self._tokenizer_path = model_path, tokenizer_path
         self._log_path = log_path
         self._log = self._capture_output(log_path) if log_path is not None else None
-        print(f"{name}: pid {os.getpid()}, model {model_path}", flush=True)
+        self._note(f"{name}: pid {os.getpid()}, model {model_path}")
         self._sock = listen_socket(host, port, f"{name} HTTP server")
         host, port = self._sock.getsockname()[:2]
         self._url = f"http://{host}:{port}"
-        print(f"{name}: listening on {self._url}, loading the model", flush=True)
+        self._note(f"{name}: listening on {self._url}, loading the model")
         self._server = None
+
+    def _note(self, line: str) -> None:
+        """A progress line for the engine's log only: the run's console shows the driver's summary of the engines,
+        not each engine's steps (without a log, stdout, which Ray streams)."""
+        if self._log is not None:
+            self._log.write(line + "\n")
+        else:
+            print(line, flush=True)
 
     @staticmethod
     def _capture_output(log_path: str) -> Any:
@@ -137,7 +147,7 @@ class CPUEngineActor:
             if self._log is not None:
                 traceback.print_exc(file=self._log)
             raise
-        print(f"serving {self._model_path} on {self._url}", flush=True)
+        self._note(f"serving {self._model_path} on {self._url}")
         return self._url
 
     def url(self) -> str:
@@ -292,8 +302,9 @@ def launch_cpu_engines(args: Any, num_engines: int) -> LaunchedEngines:
             model_path,
             None,
             seed=settings.seed + index,
-            max_batch_size=settings.batch_size,
+            max_batch_size=settings.max_batch_size,
             batch_wait_s=settings.batch_wait_ms / 1000.0,
+            batch_per_request=settings.batch_per_request,
             num_threads=settings.num_threads,
             name=names[index],
             log_path=infos[index]["log_path"],
@@ -323,7 +334,7 @@ def engine_resources(args: Any) -> dict[str, float]:
 
 
 def _check_deterministic(args: Any) -> None:
-    """CPU engines honour `--deterministic`: per-request `sampling_seed`, one request per batch."""
+    """CPU engines honour `--deterministic`: per-request `sampling_seed`, each request's inputs batched alone."""
     CPUEngineSettings.from_args(args).check_deterministic()
 
 
@@ -349,8 +360,15 @@ def slime_configure(args: Any) -> None:
 @hookimpl
 def slime_addoption(parser) -> None:
     group = parser.add_argument_group("cpu engine")
-    group.add_argument("--cpu-engine-max-batch-size", type=int, default=32, help="requests generated together")
-    group.add_argument("--cpu-engine-batch-wait-ms", type=float, default=5.0, help="time to collect a batch")
+    group.add_argument(
+        "--cpu-engine-max-batch-size",
+        type=int,
+        default=32,
+        help="requests generated together (under --deterministic: the inputs of one request, in chunks of this size)",
+    )
+    group.add_argument(
+        "--cpu-engine-batch-wait-ms", type=float, default=5.0, help="time to collect a batch (not with --deterministic)"
+    )
     group.add_argument("--cpu-engine-num-cpus", type=float, default=0, help="Ray CPUs reserved per engine actor")
     group.add_argument("--cpu-engine-num-threads", type=int, default=1, help="torch threads per engine")
     group.add_argument(

@@ -127,6 +127,7 @@ def create_app(engine: CPUEngine, scheduler: EngineScheduler):
             "dp_size": 1,
             "context_length": engine.context_length,
             "max_batch_size": scheduler.max_batch_size,
+            "batch_per_request": scheduler.batch_per_request,
             "random_seed": engine.seed,
             "weight_version": engine.weight_version,
             "internal_states": [{"num_batches": engine.num_batches, "num_requests": engine.num_requests}],
@@ -330,6 +331,7 @@ class EngineServer:
         seed: int = 0,
         max_batch_size: int = 32,
         batch_wait_s: float = 0.005,
+        batch_per_request: bool = False,
         num_threads: int | None = None,
         weights_group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
     ) -> None:
@@ -342,7 +344,12 @@ class EngineServer:
             self.engine = CPUEngine(
                 model_path, tokenizer_path, seed=seed, weights_group_timeout_s=weights_group_timeout_s
             )
-            self.scheduler = EngineScheduler(self.engine, max_batch_size=max_batch_size, batch_wait_s=batch_wait_s)
+            self.scheduler = EngineScheduler(
+                self.engine,
+                max_batch_size=max_batch_size,
+                batch_wait_s=batch_wait_s,
+                batch_per_request=batch_per_request,
+            )
         except BaseException:
             sock.close()
             raise

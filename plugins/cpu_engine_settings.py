@@ -32,21 +32,23 @@ class CPUEngineSettings(Settings):
     log_dir: str | None = option("cpu_engine_log_dir")
     #: The run's checkpoint directory: engine logs go to `<save>/logs/cpu-engines` without `log_dir`.
     save: str | None = option("save")
-    #: `--deterministic`: every request runs as its own batch (see `batch_size`).
+    #: `--deterministic`: each request's inputs are batched on their own (see `batch_per_request`).
     deterministic: bool = option("deterministic", False)
     #: Set by the framework: the destinations given on the command line.
     explicit_options: frozenset[str] = option("explicit_options", frozenset(), convert=frozenset)
 
     @property
-    def batch_size(self) -> int:
-        """Requests generated together: one under `--deterministic`, so that no request's matmuls depend on what else
-        was in flight (a row's result can change with the batch's size and padding), else `max_batch_size`."""
-        return 1 if self.deterministic else self.max_batch_size
+    def batch_per_request(self) -> bool:
+        """Under `--deterministic` a batch holds one `/generate` request's inputs (in chunks of `max_batch_size`), so
+        no row's matmuls depend on what else was in flight: a row's result can change with the batch's size and
+        padding, and which requests arrive together is timing. Otherwise requests arriving within
+        `batch_wait_ms` share batches."""
+        return self.deterministic
 
     def check_deterministic(self) -> None:
-        """ValueError when `--deterministic` meets an explicit `--cpu-engine-max-batch-size` above 1."""
-        if self.deterministic and "cpu_engine_max_batch_size" in self.explicit_options and self.max_batch_size > 1:
+        """ValueError when `--deterministic` meets an explicit `--cpu-engine-batch-wait-ms`, which it cannot honour."""
+        if self.deterministic and "cpu_engine_batch_wait_ms" in self.explicit_options:
             raise ValueError(
-                f"--deterministic runs every CPU engine request as its own batch; drop --cpu-engine-max-batch-size "
-                f"{self.max_batch_size} (or run without --deterministic)"
+                f"--deterministic batches each request's own inputs and never waits for others; drop "
+                f"--cpu-engine-batch-wait-ms {self.batch_wait_ms:g} (or run without --deterministic)"
             )

@@ -173,6 +173,36 @@ def test_concurrent_requests_are_batched(server, client):
     assert all(o["meta_info"]["completion_tokens"] <= 8 + i for i, o in enumerate(outs))
 
 
+def test_batch_per_request_runs_each_requests_inputs_alone_and_reproducibly(model_dir):
+    """`batch_per_request` (the engine under --deterministic): one body's inputs form the batches, in chunks of
+    `max_batch_size`, never joined by another body's; so a body's answer is the same with or without traffic."""
+    from slime.plugins.cpu_engine_server import EngineServer
+
+    group = {
+        "input_ids": [[5, 6, 7]] * 4,
+        "sampling_params": [{"max_new_tokens": 6, "sampling_seed": seed} for seed in range(4)],
+        "return_logprob": True,
+    }
+    other = {"input_ids": [9, 10], "sampling_params": {"max_new_tokens": 12}}
+    engine = EngineServer(str(model_dir), seed=7, num_threads=1, max_batch_size=3, batch_per_request=True)
+    try:
+        with httpx.Client(base_url=engine.url, timeout=60) as http:
+            alone = generate(http, **group)
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                others = [pool.submit(generate, http, **other) for _ in range(5)]
+                busy = generate(http, **group)
+                assert all(len(future.result()["output_ids"]) > 0 for future in others)
+            info = http.get("/server_info").json()
+        assert info["batch_per_request"] is True
+        assert [answer["output_ids"] for answer in busy] == [answer["output_ids"] for answer in alone]
+        logprobs = [answer["meta_info"]["output_token_logprobs"] for answer in alone]
+        assert [answer["meta_info"]["output_token_logprobs"] for answer in busy] == logprobs
+        # Each group: a chunk of 3 and one of 1; each lone input: a batch of its own.
+        assert info["internal_states"][0] == {"num_batches": 2 * 2 + 5, "num_requests": 2 * 4 + 5}
+    finally:
+        engine.stop()
+
+
 def test_health_info_and_cache_endpoints(server, client, model_dir):
     assert client.get("/health").status_code == 200
     assert client.get("/health_generate").status_code == 200
@@ -312,10 +342,13 @@ def test_sglang_router_in_front_of_two_engines(model_dir, server):
                 for _ in range(4)
             ]
             text = generate(http, text="1+1=", sampling_params={"max_new_tokens": 2, "temperature": 0})
+            # A batched body goes to one engine and gets a list back; the router takes one sampling_params for it.
+            batch = generate(http, input_ids=[[5, 6], [5, 6]], sampling_params={"max_new_tokens": 2})
+        assert isinstance(batch, list) and len(batch) == 2
         assert all(len(o["meta_info"]["output_token_logprobs"]) == len(o["output_ids"]) for o in outs)
         assert text["meta_info"]["prompt_tokens"] == 4
         assert second.engine.num_requests >= 2
-        assert router.routed_requests() == 5
+        assert router.routed_requests() == 6
     finally:
         router.close()
         second.stop()

@@ -40,7 +40,7 @@ def test_sample_seeds_depend_on_what_identifies_a_sample_and_nothing_else() -> N
 
 class _SlowFirstEngine(BaseHTTPRequestHandler):
     """An SGLang-protocol engine that answers prompts containing "slow" late (so the first group submitted finishes
-    last) and records every request body."""
+    last) and records every request body; a batched body (a list of texts) gets a list of answers."""
 
     requests: list = []
 
@@ -51,13 +51,14 @@ class _SlowFirstEngine(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
         if self.path == "/generate":
             type(self).requests.append(body)
-            if "slow" in body["text"]:
+            if "slow" in str(body["text"]):
                 time.sleep(0.3)
-        reply = {
+        answer = {
             "text": "42",
             "output_ids": [5],
             "meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.5, 5, None]]},
         }
+        reply = [answer] * len(body["text"]) if isinstance(body.get("text"), list) else answer
         data = json.dumps(reply if self.path == "/generate" else {}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -107,8 +108,11 @@ def test_deterministic_rollouts_seed_each_sample_and_keep_the_first_issued_group
     output, aborted = asyncio.run(sglang_rollout.generate_rollout_async(args, 3, source.get_samples))
     (kept,) = output.samples
     (handed_back,) = aborted
-    seeds = [request["sampling_params"].get("sampling_seed") for request in _SlowFirstEngine.requests]
+    requests = _SlowFirstEngine.requests
     if deterministic:
+        # One batched request per group, each input with its own seed.
+        assert sorted(request["text"] for request in requests) == [["fast two"] * 2, ["slow one"] * 2]
+        seeds = [params["sampling_seed"] for request in requests for params in request["sampling_params"]]
         assert kept[0].prompt == "slow one" and handed_back[0].prompt == "fast two"
         samples = [*kept, *handed_back]
         assert sorted(seeds) == sorted(sample_seed(9, s.group_index, s.index, 3) for s in samples)
@@ -117,7 +121,8 @@ def test_deterministic_rollouts_seed_each_sample_and_keep_the_first_issued_group
         assert all(s.response == "" and s.status == Sample.Status.PENDING for s in handed_back)
     else:
         assert kept[0].prompt == "fast two" and handed_back[0].prompt == "slow one"
-        assert seeds == [None] * 4
+        assert sorted(request["text"] for request in requests) == ["fast two"] * 2 + ["slow one"] * 2
+        assert [request["sampling_params"].get("sampling_seed") for request in requests] == [None] * 4
 
 
 def test_handed_back_samples_forget_their_partial_answers_under_deterministic() -> None:
@@ -142,7 +147,7 @@ def test_handed_back_samples_forget_their_partial_answers_under_deterministic() 
             r"rollout function 'json.loads' \(--rollout-function-path\) is not",
         ),
         (["--custom-generate-function-path", "json.loads"], r"--custom-generate-function-path json.loads sends its"),
-        (["--cpu-engine-max-batch-size", "4"], r"drop --cpu-engine-max-batch-size 4"),
+        (["--cpu-engine-batch-wait-ms", "4"], r"drop --cpu-engine-batch-wait-ms 4"),
     ],
 )
 def test_components_that_cannot_honour_deterministic_are_refused_at_parse_time(

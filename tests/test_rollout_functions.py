@@ -250,3 +250,22 @@ def test_fully_async_worker_generates_in_the_background(tmp_path, engine_url):
             fully_async_rollout.generate_rollout_fully_async(args, 0, source, evaluation=True)
     finally:
         source.consumers["fully_async"].close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        ({"text": "a", "output_ids": [5], "meta_info": {}}, "expected a JSON list of 2 answers"),
+        ([{"text": "a", "output_ids": [5], "meta_info": {}}], "expected a JSON list of 2 answers"),
+        ([{"text": "a", "output_ids": [5], "meta_info": {}}, {"output_ids": ["x"]}], "not a list of token ids"),
+    ],
+)
+def test_a_batched_reply_is_used_only_when_every_answer_is_there_and_valid(answer, message) -> None:
+    import httpx
+
+    from slime.rollout.sglang_rollout import _parse_replies
+
+    with pytest.raises(ValueError, match=message):
+        _parse_replies(httpx.Response(200, json=answer), 2)
+    good = [{"text": t, "output_ids": [i], "meta_info": {"finish_reason": {"type": "stop"}}} for i, t in enumerate("ab")]
+    assert [reply.text for reply in _parse_replies(httpx.Response(200, json=good), 2)] == ["a", "b"]

@@ -148,7 +148,7 @@ class RolloutQueueController(PromptTasks):
         tracker = tracker_path.read_text() if tracker_path.exists() else None
         write_report(current_path, {"version": 1, "directory": args.save, "tracker": tracker})
         source = f"{parent['directory']} step {parent['step']}" if parent else "no checkpoint (new run)"
-        logger.warning(
+        logger.info(
             "Rollout queue branch: physical save dir %s, logical save dir %s, restored from %s",
             args.save,
             root,

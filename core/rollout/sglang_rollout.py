@@ -174,20 +174,21 @@ def _prompt_ids(state: GenerateState, sample: Sample) -> list[int] | None:
     return state.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
 
-async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
-    """One `/generate` request; fills `tokens`, `response`, `response_length`, `loss_mask`, log-probs, status.
-
-    The tokenizer comes from `--hf-checkpoint`, else from the engine's `/model_info` tokenizer path; without
-    one the prompt is sent as text and `tokens` holds only the response ids.
-    """
-    state = GenerateState(args)
-    prompt_ids = _prompt_ids(state, sample)
-    body: dict[str, Any] = {"sampling_params": sampling_params, "return_logprob": True}
-    if prompt_ids is not None:
-        body["input_ids"] = prompt_ids
+def _request_body(state: GenerateState, samples: list[Sample], params: list[dict]) -> tuple[dict, list]:
+    """The `/generate` body for `samples` (a batch of them when there are several) and their prompt ids (None
+    each in text mode)."""
+    prompts = [_prompt_ids(state, sample) for sample in samples]
+    body: dict[str, Any] = {"sampling_params": params[0] if len(samples) == 1 else params, "return_logprob": True}
+    if all(ids is not None for ids in prompts):
+        body["input_ids"] = prompts[0] if len(samples) == 1 else prompts
     else:
-        body["text"] = sample.prompt if isinstance(sample.prompt, str) else str(sample.prompt)
-    reply = await _post_generate(state, body)
+        texts = [sample.prompt if isinstance(sample.prompt, str) else str(sample.prompt) for sample in samples]
+        body["text"] = texts[0] if len(samples) == 1 else texts
+    return body, prompts
+
+
+def _fill(sample: Sample, prompt_ids: list[int] | None, reply: _Reply) -> Sample:
+    """Append `reply` to `sample`: tokens, response, loss mask, log-probs, weight version and status."""
     sample.tokens = (prompt_ids or []) + reply.ids
     sample.response = (sample.response or "") + reply.text
     sample.response_length += len(reply.ids)
@@ -203,6 +204,38 @@ async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
     return sample
 
 
+async def generate(args: Any, sample: Sample, sampling_params: dict) -> Sample:
+    """One `/generate` request; fills `tokens`, `response`, `response_length`, `loss_mask`, log-probs, status.
+
+    The tokenizer comes from `--hf-checkpoint`, else from the engine's `/model_info` tokenizer path; without
+    one the prompt is sent as text and `tokens` holds only the response ids.
+    """
+    state = GenerateState(args)
+    body, prompts = _request_body(state, [sample], [sampling_params])
+    (reply,) = await _post_generate(state, body, 1)
+    return _fill(sample, prompts[0], reply)
+
+
+async def generate_group(args: Any, group: list[Sample], sampling_params: dict) -> list[Sample]:
+    """A whole group as one batched `/generate` request (each sample with its own seed); fills every sample as
+    `generate` does. Used under --deterministic, where an engine batches the inputs of one request together and
+    never with another request's: the group is then generated as one batch, reproducibly."""
+    state = GenerateState(args)
+    params = [state.seeded(sample, sampling_params) for sample in group]
+    async with state.semaphore:
+        if state.aborted:
+            for sample in group:
+                sample.status = Sample.Status.ABORTED
+            return group
+        body, prompts = _request_body(state, group, params)
+        replies = await _post_generate(state, body, len(group))
+    for sample, prompt_ids, reply in zip(group, prompts, replies, strict=True):
+        _fill(sample, prompt_ids, reply)
+        if sample.status != Sample.Status.ABORTED and sample.reward is None:
+            sample.reward = await rm_hub.async_rm(args, sample)
+    return group
+
+
 @dataclass(frozen=True)
 class _Reply:
     """A validated `/generate` answer."""
@@ -214,9 +247,19 @@ class _Reply:
     finish: str | None
 
 
-def _parse_reply(response: Any) -> _Reply:
-    """The reply of one `/generate` request; ValueError when it is not a well-formed SGLang answer."""
+def _parse_replies(response: Any, count: int) -> list[_Reply]:
+    """The `count` answers of one `/generate` request (an object for one input, a list of them for a batch);
+    ValueError when it is not a well-formed SGLang answer."""
     output = response.json()  # json.JSONDecodeError is a ValueError
+    if count == 1:
+        return [_parse_output(output)]
+    if not isinstance(output, list) or len(output) != count:
+        raise ValueError(f"expected a JSON list of {count} answers for a batch of {count} inputs")
+    return [_parse_output(item) for item in output]
+
+
+def _parse_output(output: Any) -> _Reply:
+    """One input's answer."""
     if not isinstance(output, dict):
         raise ValueError(f"expected a JSON object, got {type(output).__name__}")
     ids = output.get("output_ids") or []
@@ -241,8 +284,9 @@ def _parse_reply(response: Any) -> _Reply:
     return _Reply(ids, text, logprobs, None if version is None else str(version), (finish or {}).get("type"))
 
 
-async def _post_generate(state: GenerateState, body: dict) -> _Reply:
-    """POST `/generate`, retrying failures on other engines up to `--rollout-request-retries` times.
+async def _post_generate(state: GenerateState, body: dict, count: int) -> list[_Reply]:
+    """POST `/generate` for `count` inputs, retrying failures on other engines up to `--rollout-request-retries`
+    times. A reply is used only when every input's answer in it is complete and valid.
 
     HTTP 4xx is not retried: the request itself is at fault and every engine would refuse it.
     """
@@ -271,7 +315,7 @@ async def _post_generate(state: GenerateState, body: dict) -> _Reply:
         if response.status_code != 200:
             raise RuntimeError(f"Rollout engine {url}/generate answered {response.status_code}: {response.text[:500]}")
         try:
-            return _parse_reply(response)
+            return _parse_replies(response, count)
         except ValueError as exc:
             last = f"{url} sent a malformed reply ({exc}): {response.text[:200]!r}"
     engines = ", ".join(dict.fromkeys(tried))
@@ -318,7 +362,16 @@ async def generate_and_rm(args: Any, sample: Sample, sampling_params: dict, eval
 
 
 async def generate_and_rm_group(args: Any, group: list, sampling_params: dict, evaluation: bool = False) -> list:
-    """Generate and score one group; all samples finish (or fail) before the first error is raised."""
+    """Generate and score one group; all samples finish (or fail) before the first error is raised.
+
+    Under --deterministic a group without custom generation goes as one batched request (`generate_group`) when
+    the engines are reached directly (sglang-router takes one `sampling_params` per batch, and each sample needs its
+    own seed); otherwise each sample is its own request, and engines batch the requests that arrive together."""
+    state = GenerateState(args)
+    settings = state.settings
+    custom = settings.custom_generate_function_path or any(s.generate_function_path for s in group)
+    if settings.deterministic and not settings.router_url and not custom:
+        return await generate_group(args, group, sampling_params)
     results = await asyncio.gather(
         *(generate_and_rm(args, s, sampling_params, evaluation) for s in group), return_exceptions=True
     )
@@ -485,9 +538,17 @@ async def eval_rollout(args: Any, rollout_id: int, data_source: Any) -> RolloutF
     results = {}
     for name, samples in datasets.items():
         fresh = copy.deepcopy(samples)  # the dataset's samples stay unanswered for the next evaluation
-        scored = await asyncio.gather(*(generate_and_rm(args, s, dict(params), True) for s in fresh))
+        # A prompt's copies (consecutive, one `group_index`) are generated as a group, like training groups.
+        groups = [list(copies) for _, copies in itertools.groupby(fresh, key=_prompt_key)]
+        answered = await asyncio.gather(*(generate_and_rm_group(args, group, dict(params), True) for group in groups))
+        scored = [sample for group in answered for sample in group]
         results[name] = {"rewards": [s.get_reward_value(args) for s in scored], "samples": scored}
     return RolloutFnEvalOutput(data=results)
+
+
+def _prompt_key(sample: Sample) -> int:
+    """What an eval sample's prompt copies share: their `group_index` (a sample without one stands alone)."""
+    return sample.group_index if sample.group_index is not None else -1 - id(sample)
 
 
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
