@@ -176,5 +176,10 @@ def test_auto_router_fronts_several_engines_when_sglang_router_is_installed(monk
     assert ServingSettings.from_args(SimpleNamespace(rollout_num_engines=1)).router_to_start == "none"
     explicit = SimpleNamespace(rollout_num_engines=2, rollout_router="none")
     assert ServingSettings.from_args(explicit).router_to_start == "none"
+    # --deterministic sends batched groups with a seed per sample, which the router cannot forward.
+    deterministic = SimpleNamespace(rollout_num_engines=2, deterministic=True)
+    assert ServingSettings.from_args(deterministic).router_to_start == "none"
+    deterministic.rollout_router = "sglang-router"
+    assert ServingSettings.from_args(deterministic).router_to_start == "sglang-router"
     monkeypatch.setattr(router, "sglang_router_available", lambda: False)
     assert ServingSettings.from_args(SimpleNamespace(rollout_num_engines=4)).router_to_start == "none"

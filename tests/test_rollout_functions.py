@@ -267,5 +267,7 @@ def test_a_batched_reply_is_used_only_when_every_answer_is_there_and_valid(answe
 
     with pytest.raises(ValueError, match=message):
         _parse_replies(httpx.Response(200, json=answer), 2)
-    good = [{"text": t, "output_ids": [i], "meta_info": {"finish_reason": {"type": "stop"}}} for i, t in enumerate("ab")]
+    good = [
+        {"text": t, "output_ids": [i], "meta_info": {"finish_reason": {"type": "stop"}}} for i, t in enumerate("ab")
+    ]
     assert [reply.text for reply in _parse_replies(httpx.Response(200, json=good), 2)] == ["a", "b"]

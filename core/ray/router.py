@@ -42,12 +42,17 @@ def sglang_router_available() -> bool:
         return False
 
 
-def router_for(choice: str, num_engines: int) -> str:
+def router_for(choice: str, num_engines: int, deterministic: bool = False) -> str:
     """The router a run starts for `--rollout-router` `choice`: "auto" is "sglang-router" in front of several
-    engines when the package is installed, else "none" (one engine needs no router)."""
+    engines when the package is installed, else "none" (one engine needs no router).
+
+    Under `--deterministic` "auto" is "none": the rollout function then sends each prompt group to an engine as one
+    batched request with a seed per sample, which sglang-router cannot forward (it takes one `sampling_params` per
+    batch), so through a router every sample would be a request and a batch of its own."""
     if choice != "auto":
         return choice
-    return "sglang-router" if num_engines > 1 and sglang_router_available() else "none"
+    wanted = num_engines > 1 and not deterministic
+    return "sglang-router" if wanted and sglang_router_available() else "none"
 
 
 def _free_port(host: str) -> int:

@@ -124,11 +124,13 @@ class ServingSettings(Settings):
     rollout_resources: tuple[tuple[str, float], ...] = option("rollout_resources", (), convert=resource_items)
     #: The router's log goes to `<save>/logs/sglang-router.log` (a temporary file without `--save`).
     save: str | None = option("save")
+    #: `--deterministic`: "auto" starts no router (see `slime.ray.router.router_for`).
+    deterministic: bool = option("deterministic", False)
 
     @property
     def router_to_start(self) -> str:
         """ "sglang-router" or "none" (`slime.ray.router.router_for`)."""
-        return router_for(self.router, self.num_engines)
+        return router_for(self.router, self.num_engines, self.deterministic)
 
 
 @dataclass(frozen=True)

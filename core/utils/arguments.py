@@ -176,7 +176,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="sglang-router: start one sglang-router (pip install 'slime-rl[router]') in front of the engines and "
         "send every rollout request through it; none: the rollout functions spread requests over the engines; "
-        "auto: sglang-router when there are several engines and the package is installed, else none",
+        "auto: sglang-router when there are several engines and the package is installed (and not --deterministic), "
+        "else none",
     )
     rollout.add_argument("--sglang-server-concurrency", type=int, default=64)
     rollout.add_argument(
