@@ -184,12 +184,14 @@ class _Engine(BaseHTTPRequestHandler):
         self.send_error(404)
 
     def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path == "/abort_request":
             data = b"{}"
         else:
-            reply = {"text": "42", "output_ids": [5], "meta_info": {"finish_reason": {"type": "stop"}}}
-            data = json.dumps(reply).encode()
+            answer = {"text": "42", "output_ids": [5], "meta_info": {"finish_reason": {"type": "stop"}}}
+            batch = body.get("text", body.get("input_ids"))
+            batched = isinstance(batch, list) and all(isinstance(item, (str, list)) for item in batch)
+            data = json.dumps([answer] * len(batch) if batched else answer).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
