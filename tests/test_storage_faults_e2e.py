@@ -143,6 +143,15 @@ def _must(*arguments: str) -> None:
     assert result.returncode == 0, f"mount {' '.join(arguments)} failed: {result.stderr}"
 
 
+def _must_remount_read_only(path: Path) -> None:
+    """Turn the bind mount at `path` read-only. The kernel refuses (EBUSY) while a file is open for writing through
+    it, which a running demo does several times a second: try again for up to 10 s."""
+    deadline = time.monotonic() + 10
+    while (result := _mount("-o", "remount,bind,ro", str(path))).returncode != 0:
+        assert "busy" in result.stderr and time.monotonic() < deadline, f"remount read-only failed: {result.stderr}"
+        time.sleep(0.01)
+
+
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[Tmpfs]:
     mounts = Tmpfs(tmp_path)
@@ -248,7 +257,7 @@ def test_a_filesystem_turned_read_only_stops_the_run_clearly_and_the_same_comman
     _wait_for_commits(run, save, 2)  # between two commits: the run goes on to its next step
     _must("--bind", str(disk), str(disk))
     tmpfs.mounts.append(disk)  # the stacked bind mount: unmounted first
-    _must("-o", "remount,bind,ro", str(disk))
+    _must_remount_read_only(disk)
 
     printed = _stopped_cleanly(run, save, READ_ONLY)
     print(printed)

@@ -45,6 +45,9 @@ def _argv(save: Path) -> list[str]:
         *("--use-tensorboard", "--use-wandb", "--wandb-mode", "offline", "--use-trackio"),
         *("--num-rollout", str(NUM_ROLLOUT), "--save-interval", "1", "--eval-interval", "2", "--save", str(save)),
         *("--log-interval", str(LOG_INTERVAL)),
+        # 64 prompt groups a step (the demo has 16): a step of about 3 s here, so the next commit cannot come inside
+        # the second the kill waits after step 2's (where a tracker's last rows could be lost).
+        *("--rollout-batch-size", "64"),
     ]
 
 
@@ -60,6 +63,8 @@ def _kill_after_commit(save: Path, log: Path, step: int) -> None:
         # 0.5 s: rows of the committed steps handed to them in the last moment before a kill are lost and no rerun
         # trains those steps again.
         time.sleep(1.0)
+        later = sorted(run_records.commits(save))[-1]
+        assert later == step, f"step {later} was committed within 1 s of step {step}'s: the kill came too late"
     finally:
         run.kill()
     assert not run.processes(), "a process of the killed run survived"
