@@ -86,7 +86,7 @@ class WorkerNode:
 _CLUSTER_STATE = """
 import json, sys, ray
 ray.init(address=sys.argv[1], logging_level="ERROR")
-print(json.dumps({
+print("slime-cluster-state:", json.dumps({
     "alive_nodes": sum(1 for node in ray.nodes() if node["Alive"]),
     "total_cpus": ray.cluster_resources().get("CPU", 0),
     "free_cpus": ray.available_resources().get("CPU", 0),
@@ -105,7 +105,11 @@ def cluster_state(address: str, env: Mapping[str, str]) -> dict[str, float]:
         timeout=120,
         check=True,
     )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    # Ray may print its own warnings to stdout around the line (e.g. about a raylet's lagging heartbeats).
+    lines = [line for line in result.stdout.splitlines() if line.startswith("slime-cluster-state: ")]
+    if not lines:
+        raise RuntimeError(f"the cluster-state probe printed no state line; stdout: {result.stdout[-2000:]!r}")
+    return json.loads(lines[-1].removeprefix("slime-cluster-state: "))
 
 
 def _alive_nodes(address: str, env: Mapping[str, str]) -> int:
