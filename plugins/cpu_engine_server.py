@@ -40,10 +40,10 @@ from slime.plugins.cpu_engine_core import (
     DEFAULT_GROUP_TIMEOUT_S,
     WEIGHTS_RELEASED_MESSAGE,
     CPUEngine,
-    EngineScheduler,
     RequestError,
     parse_generate_body,
 )
+from slime.plugins.cpu_engine_scheduler import EngineScheduler
 from slime.plugins.cpu_engine_weights import parse_control_body
 
 
