@@ -280,7 +280,7 @@ class TrainBackend(Protocol):
         """Load the model (`role` "actor", or "critic" with `--use-critic`) and, when `args.load` names a
         checkpoint (the latest under it unless `args.ckpt_step`), its training state; return the first rollout
         id to train: the loaded step + 1, else `args.start_rollout_id` or 0. All ranks must return the same.
-        `with_ref`: keep a frozen reference model for the KL term (`--kl-coef`)."""
+        `with_ref`: keep a frozen reference model for the KL terms (`--kl-coef`, `--use-kl-loss --kl-loss-coef`)."""
         ...
 
     def train(self, rollout_id: int, rollout_data_ref: Sequence[Any]) -> dict[str, float] | None:

@@ -2,8 +2,9 @@
 `LossSettings`, the options that shape the loss.
 
 `rl_loss` is the one place the per-token GRPO/PPO-style objective is put together (clipped policy loss, KL
-to the reference, entropy bonus); the torch and the Megatron backends both call it on their log-probs, so
-they optimise the same thing and report the same `METRIC_NAMES`.
+to the reference, entropy bonus), and `kl_shaped_advantages` the one place a KL penalty enters the reward
+(`--kl-coef`); the torch and the Megatron backends both call them on their log-probs, so they optimise the same
+thing and report the same `METRIC_NAMES`.
 
 Shapes: token-level tensors are `[batch, response_len]` (padded on the right); `mask` is 1 on tokens that
 count and 0 on padding and on tokens the loss mask excludes (tool output, prompt). Per-sample values
@@ -35,12 +36,17 @@ TIS_METRIC_NAMES = ("tis_weight", "tis_clipfrac")
 
 @dataclass(frozen=True)
 class LossSettings(Settings):
-    """What shapes the per-token loss: `policy_loss` clipping, the `kl_penalty` term and the entropy bonus."""
+    """What shapes the per-token loss: `policy_loss` clipping, the KL to the reference (as a loss term, or as a
+    penalty in the reward), the entropy bonus, importance weights and how token losses are aggregated."""
 
     eps_clip: float = option("eps_clip", 0.2, convert=float, minimum=0.0)
     #: The upper clip range; None: `eps_clip`.
     eps_clip_high: float | None = option("eps_clip_high", None, convert=float, minimum=0.0)
-    kl_coef: float = option("kl_coef", 0.0, convert=float, minimum=0.0)
+    #: The KL loss's weight (`--use-kl-loss --kl-loss-coef`; 0 without `--use-kl-loss`, as upstream slime).
+    kl_loss_coef: float = option("kl_loss_coef", 0.0, convert=float, minimum=0.0)
+    #: `--kl-coef`: the weight of the KL penalty in the reward (`kl_shaped_advantages`), upstream slime's meaning.
+    kl_reward_coef: float = option("kl_coef", 0.0, convert=float, minimum=0.0)
+    #: The KL estimator of both the loss term and the reward penalty.
     kl_loss_type: str = option("kl_loss_type", "k3", choices=KL_ESTIMATORS)
     entropy_coef: float = option("entropy_coef", 0.0, convert=float)
     #: Truncated importance sampling: weight each token's policy loss by `exp(old - rollout)`, the old policy's
@@ -68,8 +74,11 @@ class LossSettings(Settings):
 
     @classmethod
     def from_args(cls, args: Any) -> LossSettings:
-        """The settings of `args`; `--calculate-per-token-loss` (upstream's spelling) selects token-mean."""
+        """The settings of `args`; `--calculate-per-token-loss` (upstream's spelling) selects token-mean, and
+        `--kl-loss-coef` weighs nothing without `--use-kl-loss` (as upstream)."""
         values = options_from_args(cls, args)
+        if not getattr(args, "use_kl_loss", False):
+            values.pop("kl_loss_coef", None)
         if getattr(args, "calculate_per_token_loss", False):
             if values.get("loss_agg_mode", "seq-mean-token-mean") not in ("seq-mean-token-mean", "token-mean"):
                 raise ValueError(
@@ -78,6 +87,11 @@ class LossSettings(Settings):
                 )
             values["loss_agg_mode"] = "token-mean"
         return cls(**values)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss reads the reference model's log-probs (a KL loss or a KL penalty in the reward)."""
+        return bool(self.kl_loss_coef or self.kl_reward_coef)
 
     @property
     def per_token_denominator(self) -> bool:
@@ -102,11 +116,12 @@ class LossSettings(Settings):
 
     @property
     def needs_advantages(self) -> bool:
-        """Whether the loss's gradient is zero when every advantage is: true unless a KL penalty or an entropy
-        bonus acts on the policy regardless of advantages. The backends skip an optimizer step without signal
-        only then: skipping it with an entropy bonus would leave a policy that has stopped exploring (every
-        group answering alike) stuck, with nothing left to push it back."""
-        return not (self.kl_coef or self.entropy_coef)
+        """Whether the loss's gradient is zero when every advantage the batch builder gave is: true unless a KL
+        term (in the loss or in the reward) or an entropy bonus acts on the policy regardless of them. The
+        backends skip an optimizer step without signal only then: skipping it with an entropy bonus would leave
+        a policy that has stopped exploring (every group answering alike) stuck, with nothing left to push it
+        back."""
+        return not (self.needs_reference or self.entropy_coef)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -201,14 +216,16 @@ def rl_loss(
 
     Token-level inputs are `[batch, len]`: the policy's `log_probs` (differentiable), the old policy's,
     per-token `advantages`, the loss `mask`, the policy's `entropy` (needed when `settings.entropy_coef` is
-    not 0), the reference's log-probs (needed when `settings.kl_coef` is not 0) and the engine's log-probs of
+    not 0), the reference's log-probs (needed when `settings.kl_loss_coef` is not 0) and the engine's log-probs of
     the sampled tokens (needed with `settings.use_tis`). Returns `(sample_loss, metrics)`: `sample_loss[b]` is
-    sample b's `settings.reduce_tokens` (by default the masked mean) of `w * pg + kl_coef * kl - entropy_coef *
+    sample b's `settings.reduce_tokens` (by default the masked mean) of `w * pg + kl_loss_coef * kl - entropy_coef *
     entropy` (differentiable; `w` the `importance_weights`, 1 without `--use-tis`); `metrics[k, b]` is its
     masked mean of `METRIC_NAMES[k]` (detached).
     """
-    if settings.kl_coef and ref_log_probs is None:
-        raise ValueError("--kl-coef > 0 needs the reference model's log-probs; the backend passed none")
+    if settings.kl_loss_coef and ref_log_probs is None:
+        raise ValueError(
+            "--use-kl-loss --kl-loss-coef > 0 needs the reference model's log-probs; the backend passed none"
+        )
     if settings.entropy_coef and entropy is None:
         raise ValueError("--entropy-coef needs the policy's entropy; the backend passed none")
     if settings.use_tis and rollout_log_probs is None:
@@ -233,7 +250,7 @@ def rl_loss(
     kl_tok = torch.zeros_like(pg_tok)
     if ref_log_probs is not None:
         kl_tok = kl_penalty(log_probs, ref_log_probs, settings.kl_loss_type)
-        per_token = per_token + settings.kl_coef * kl_tok
+        per_token = per_token + settings.kl_loss_coef * kl_tok
     if settings.entropy_coef:
         # An entropy bonus keeps sampling diverse: a policy that answers a prompt the same way eight times
         # gives GRPO a zero-variance group and nothing to learn from.
@@ -245,6 +262,36 @@ def rl_loss(
         terms = (per_token, pg_tok, kl_tok, clipped, ratio, shown_entropy, tis_weight, tis_clipped)
         metrics = torch.stack([masked_mean(values.detach().float(), mask) for values in terms])
     return sample_loss, metrics
+
+
+def kl_shaped_advantages(
+    advantages: Sequence[torch.Tensor],
+    old_log_probs: Sequence[torch.Tensor],
+    ref_log_probs: Sequence[torch.Tensor],
+    loss_masks: Sequence[torch.Tensor],
+    settings: LossSettings,
+) -> tuple[list[torch.Tensor], list[float]]:
+    """`--kl-coef`: the per-token advantages with a KL penalty in the reward, and each sample's total penalty.
+
+    Every response token t the loss counts earns the reward `-kl_coef * kl_t`, `kl_t` the `--kl-loss-type`
+    estimate of KL(old policy || reference) at that token; with no discount, the return from token t on gains
+    the penalties of t and every later counted token. So token t's advantage becomes
+    `A_t - kl_coef * sum_{s >= t} mask_s * kl_s`: the estimator's advantage (from the sequence reward, e.g.
+    GRPO's group-normalised one) minus the KL still to come. The old policy, not the one being trained, is
+    what drew the tokens, so the penalty is fixed for the step and carries no gradient. Inputs are one 1-D
+    tensor per sample, of its response length; returns `(advantages, penalties)`, `penalties[i]` being
+    `kl_coef * sum_t mask_t * kl_t` of sample i (what its reward lost).
+    """
+    coef = settings.kl_reward_coef
+    shaped, penalties = [], []
+    with torch.no_grad():
+        for advantage, old, ref, mask in zip(advantages, old_log_probs, ref_log_probs, loss_masks, strict=True):
+            old, ref, mask = old.float().cpu(), ref.float().cpu(), mask.float().cpu()
+            token_penalty = coef * kl_penalty(old, ref, settings.kl_loss_type) * mask
+            to_go = token_penalty.flip(0).cumsum(0).flip(0)
+            shaped.append(advantage.float().cpu() - to_go)
+            penalties.append(float(token_penalty.sum()))
+    return shaped, penalties
 
 
 def pad_right(rows: Sequence[torch.Tensor], value: float = 0.0, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ recomputes activations in the backward pass. How the models are wrapped and run 
 `slime.plugins.torch_settings.TrainSettings`; nothing else reads them.
 
 One `train` call is one rollout step: the rank loads its shard (`process_rollout_data`), computes the
-old-policy (and, with `--kl-coef`, reference) log-probs of the response tokens, then takes one AdamW step
+old-policy (and, with a KL loss or `--kl-coef`, reference) log-probs of the response tokens, then takes one AdamW step
 per global batch of the schedule, accumulating gradients over its micro batches. Checkpoints and disk
 weight exports (float32 Hugging Face files, also under `--bf16` and `--fsdp`: rank 0 writes the full state every
 rank helps gather) are made durable before they become visible (see `slime.plugins.torch_checkpoint`); with
@@ -37,6 +37,7 @@ from slime.plugins import torch_checkpoint as ckpt
 from slime.plugins import torch_lora
 from slime.plugins.rl_losses import (
     METRIC_NAMES,
+    kl_shaped_advantages,
     pad_right,
     rl_loss,
     token_log_probs_and_entropy,
@@ -116,7 +117,7 @@ class TorchTrainRayActor:
         # What training forwards call: the DDP wrapper, or the model itself (sharded in place under --fsdp).
         self.trained = self.parallel.prepare(self.model)
         self.ref_model = None
-        if with_ref or settings.loss.kl_coef != 0.0:
+        if with_ref or settings.loss.needs_reference:
             # The reference is --ref-load, else the policy the run started from; run in the same precision (and
             # sharded alike).
             reference = settings.ref_load or self.hf_source
@@ -241,6 +242,12 @@ class TorchTrainRayActor:
         old_log_probs = self._old_log_probs(data, batch, micro_batches)
         ref_log_probs = self._frozen_log_probs(self.ref_model, batch, micro_batches) if self.ref_model else None
         loss = self.settings.loss
+        kl_reward = None
+        if loss.kl_reward_coef:
+            advantages, penalties = kl_shaped_advantages(
+                advantages, old_log_probs, ref_log_probs, batch.loss_masks, loss
+            )
+            kl_reward = self._all_reduce(torch.tensor([sum(penalties), len(penalties)], dtype=torch.float64))
         rollout_log_probs = batch.rollout_log_probs(data) if loss.use_tis and "rollout_log_probs" in data else None
 
         clip_grad = self.settings.optimizer.clip_grad
@@ -303,6 +310,8 @@ class TorchTrainRayActor:
         metrics["train/steps"] = float(len(schedule) - skipped)
         metrics["train/skipped_steps"] = float(skipped)
         metrics["train/rollout_id"] = float(rollout_id)
+        if kl_reward is not None:
+            metrics["train/kl_reward"] = float(kl_reward[0]) / max(float(kl_reward[1]), 1.0)
         if (mismatch := self._rollout_log_prob_mismatch(data, batch, old_log_probs)) is not None:
             metrics["train/rollout_logprob_abs_diff"] = mismatch
         return metrics

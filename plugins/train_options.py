@@ -23,22 +23,26 @@ def slime_addoption(parser) -> None:
     add_optimizer_options(parser)
     group = parser.add_argument_group("loss (every train backend)")
     group.add_argument("--eps-clip-high", type=float, default=None, help="upper clip range (default: --eps-clip)")
-    group.add_argument("--kl-loss-type", choices=KL_ESTIMATORS, default="k3", help="KL estimator when --kl-coef > 0")
+    group.add_argument(
+        "--kl-loss-type",
+        choices=KL_ESTIMATORS,
+        default="k3",
+        help="the KL estimator of the KL loss and of the --kl-coef reward penalty",
+    )
     group.add_argument(
         "--use-kl-loss",
         action="store_true",
-        help="add the KL to the reference model to the loss, weighted by --kl-loss-coef (upstream slime's spelling "
-        "of --kl-coef)",
+        help="add the KL to the reference model to the loss, weighted by --kl-loss-coef",
     )
     group.add_argument(
-        "--kl-loss-coef", type=float, default=0.0, help="the KL loss's weight with --use-kl-loss (sets --kl-coef)"
+        "--kl-loss-coef", type=float, default=0.0, help="the KL loss's weight; weighs nothing without --use-kl-loss"
     )
     group.add_argument(
         "--ref-load",
         metavar="DIR",
         default=None,
         help="the KL loss's reference model: a local Hugging Face model directory sharing the policy's tokenizer "
-        "(default: the model the run starts from, --hf-checkpoint). Read only with a KL loss (--use-kl-loss "
+        "(default: the model the run starts from, --hf-checkpoint). Read only with a KL term (--use-kl-loss "
         "--kl-loss-coef or --kl-coef above 0); upstream slime's Megatron checkpoints are not read",
     )
     group.add_argument(
@@ -91,31 +95,17 @@ def slime_addoption(parser) -> None:
     )
 
 
-def apply_kl_loss_spelling(args: Any) -> None:
-    """`--use-kl-loss --kl-loss-coef X` (upstream slime's KL loss) sets `--kl-coef X`, this project's KL loss weight.
-
-    Upstream's own `--kl-coef` puts a KL penalty in the reward instead; here it weighs the KL loss, so a run that
-    gives both spellings different values is refused rather than silently picking one."""
-    if not getattr(args, "use_kl_loss", False):
-        return
-    explicit = getattr(args, "explicit_options", frozenset())
-    kl_coef, kl_loss_coef = float(getattr(args, "kl_coef", 0.0) or 0.0), float(args.kl_loss_coef)
-    if "kl_coef" in explicit and kl_coef not in (0.0, kl_loss_coef):
-        raise ValueError(
-            f"--use-kl-loss --kl-loss-coef {kl_loss_coef:g} with --kl-coef {kl_coef:g}: here --kl-coef is the KL "
-            "loss's weight too (upstream slime's reward-side KL penalty is not implemented); give one of them"
-        )
-    args.kl_coef = kl_loss_coef
-
-
-def check_reference_model(args: Any, kl_coef: float) -> None:
-    """`--ref-load` names a complete model directory when a KL loss reads it; without one it is not loaded (upstream
-    scripts pass it with a KL weight of 0), which is said once."""
+def check_reference_model(args: Any, loss: LossSettings) -> None:
+    """`--ref-load` names a complete model directory when a KL term reads it; without one it is not loaded (upstream
+    scripts pass it with KL weights of 0), which is said once."""
     ref_load = getattr(args, "ref_load", None)
     if not ref_load:
         return
-    if not kl_coef:
-        logger.info("--ref-load %s is not loaded: the run has no KL loss (--use-kl-loss --kl-loss-coef > 0)", ref_load)
+    if not loss.needs_reference:
+        logger.info(
+            "--ref-load %s is not loaded: the run has no KL term (--use-kl-loss --kl-loss-coef or --kl-coef above 0)",
+            ref_load,
+        )
         return
     try:
         validate_hf_checkpoint_dir(ref_load, flag="--ref-load", tokenizer=False)
@@ -126,11 +116,10 @@ def check_reference_model(args: Any, kl_coef: float) -> None:
 @hookimpl
 def slime_configure(args: Any) -> None:
     """Refuse, while the arguments are parsed, a loss no backend can run."""
-    apply_kl_loss_spelling(args)
     if getattr(args, "bf16", False) and getattr(args, "fp16", False):
         raise ValueError("--bf16 with --fp16: choose one training precision")
     loss = LossSettings.from_args(args)  # ValueError naming the flag for a value out of range
-    check_reference_model(args, loss.kl_coef)
+    check_reference_model(args, loss)
     if loss.use_tis and getattr(args, "use_rollout_logprobs", False):
         raise ValueError(
             "--use-tis with --use-rollout-logprobs: the old policy's log-probs would be the engine's own, so every "

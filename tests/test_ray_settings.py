@@ -88,6 +88,8 @@ def test_derived_values():
     assert (cluster.actor_ranks, cluster.critic_ranks, cluster.with_ref) == (2, 0, False)
     cluster = ClusterSettings.from_args(SimpleNamespace(use_critic=True, critic_num_nodes=3, kl_coef=0.1))
     assert (cluster.critic_ranks, cluster.with_ref) == (3, True)
+    assert ClusterSettings.from_args(SimpleNamespace(use_kl_loss=True, kl_loss_coef=0.1)).with_ref
+    assert not ClusterSettings.from_args(SimpleNamespace(kl_loss_coef=0.1)).with_ref  # weighs nothing alone
     assert TrainGroupSettings.from_args(SimpleNamespace()).disk_weights
     old_name = TrainGroupSettings.from_args(SimpleNamespace(update_weight_transport="nccl"))
     assert old_name.update_weight_transport == "distributed" and not old_name.disk_weights

@@ -66,7 +66,7 @@ def test_tis_weights_only_the_policy_term_not_the_kl_or_the_entropy() -> None:
     log_probs = torch.zeros(1, 1)
     ref = torch.tensor([[-0.5]])
     entropy = torch.tensor([[2.0]])
-    settings = _settings(use_tis=True, tis_clip=10.0, kl_coef=0.1, entropy_coef=0.01)
+    settings = _settings(use_tis=True, tis_clip=10.0, kl_loss_coef=0.1, entropy_coef=0.01)
     rollout = torch.tensor([[math.log(0.5)]])  # weight 2
     weighted, _ = rl_loss(log_probs, log_probs, torch.ones(1, 1), torch.ones(1, 1), settings, entropy, ref, rollout)
     unweighted, _ = rl_loss(
@@ -74,7 +74,7 @@ def test_tis_weights_only_the_policy_term_not_the_kl_or_the_entropy() -> None:
         log_probs,
         torch.ones(1, 1),
         torch.ones(1, 1),
-        _settings(kl_coef=0.1, entropy_coef=0.01),
+        _settings(kl_loss_coef=0.1, entropy_coef=0.01),
         entropy,
         ref,
     )

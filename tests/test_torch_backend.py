@@ -171,7 +171,7 @@ def test_loss_mask_excludes_tokens_and_precomputed_advantages_win(hf_dir, tmp_pa
 
 
 def test_kl_to_reference_starts_at_zero_and_grows(hf_dir, tmp_path):
-    actor, _ = start(make_args(hf_dir, tmp_path, kl_coef=0.1, kl_loss_type="k3"))
+    actor, _ = start(make_args(hf_dir, tmp_path, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3"))
     assert actor.ref_model is not None
     data = make_batch()
     first = actor.train_from_data(0, data)
@@ -182,7 +182,9 @@ def test_kl_to_reference_starts_at_zero_and_grows(hf_dir, tmp_path):
 
 def test_ref_load_is_the_kl_reference_instead_of_the_starting_model(hf_dir, tmp_path):
     reference = save_tiny_qwen2(tmp_path / "reference", seed=1, width=32, layers=1)  # another model, same vocabulary
-    actor, _ = start(make_args(hf_dir, tmp_path, kl_coef=0.1, kl_loss_type="k3", ref_load=str(reference)))
+    actor, _ = start(
+        make_args(hf_dir, tmp_path, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3", ref_load=str(reference))
+    )
     assert actor.ref_model.config.num_hidden_layers == 1  # any architecture that scores the policy's tokens
     assert actor.train_from_data(0, make_batch())["train/kl"] > 0.0  # the policy is not the reference at step 0
 
@@ -237,6 +239,8 @@ def test_an_entropy_bonus_still_steps_when_every_advantage_is_zero(hf_dir, tmp_p
     assert LossSettings.from_args(make_args(hf_dir, tmp_path)).needs_advantages
     assert not LossSettings.from_args(make_args(hf_dir, tmp_path, entropy_coef=0.5)).needs_advantages
     assert not LossSettings.from_args(make_args(hf_dir, tmp_path, kl_coef=0.1)).needs_advantages
+    assert not LossSettings.from_args(make_args(hf_dir, tmp_path, use_kl_loss=True, kl_loss_coef=0.1)).needs_advantages
+    assert LossSettings.from_args(make_args(hf_dir, tmp_path, kl_loss_coef=0.1)).needs_advantages  # no --use-kl-loss
 
 
 def test_engine_log_probs_are_compared_with_the_trainers(hf_dir, tmp_path):

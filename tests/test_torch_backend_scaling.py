@@ -214,8 +214,8 @@ def _two_rank_worker(rank: int, port: int, hf: str, out: str) -> None:
     out_dir = Path(out)
 
     def actor(name: str, **overrides) -> TorchTrainRayActor:
-        # kl_coef > 0: the reference model is sharded too and its forwards are collectives as well.
-        args = make_args(Path(hf), out_dir / name, kl_coef=0.05, **overrides)
+        # A KL loss: the reference model is sharded too and its forwards are collectives as well.
+        args = make_args(Path(hf), out_dir / name, use_kl_loss=True, kl_loss_coef=0.05, **overrides)
         instance = TorchTrainRayActor(world_size=2, rank=rank, master_addr="127.0.0.1", master_port=port)
         instance.init(args, "actor")
         return instance

@@ -31,12 +31,12 @@ def test_a_flag_set_in_upstreams_spelling_lands_where_this_project_reads_it(tmp_
         *("--num-steps-per-rollout", "4", "--calculate-per-token-loss", "--balance-data"),
         *("--use-tis", "--eps-clip", "0.2", "--eps-clip-high", "0.28", "--entropy-coef", "0.0"),
     )
-    assert args.kl_coef == 0.01  # the KL loss's weight, as upstream's --kl-loss-coef
     assert args.rewards_normalization is False and args.grpo_std_normalization is False
     assert args.global_batch_size == 8 * 4 // 4
     loss = LossSettings.from_args(args)
-    assert (loss.kl_coef, loss.kl_loss_type, loss.loss_agg_mode, loss.use_tis) == (
+    assert (loss.kl_loss_coef, loss.kl_reward_coef, loss.kl_loss_type, loss.loss_agg_mode, loss.use_tis) == (
         0.01,
+        0.0,
         "low_var_kl",
         "token-mean",
         True,
@@ -54,7 +54,7 @@ def test_ref_load_names_the_kl_reference_and_is_checked_only_when_a_kl_loss_read
     with caplog.at_level("INFO"):
         args = _parse(tmp_path, "--ref-load", str(tmp_path / "ref_torch_dist"))
     assert args.ref_load == str(tmp_path / "ref_torch_dist")
-    assert "is not loaded: the run has no KL loss" in caplog.text
+    assert "is not loaded: the run has no KL term" in caplog.text
     error = _refused(tmp_path, capsys, "--ref-load", str(tmp_path / "ref_torch_dist"), *kl_loss)
     assert f"slime-run: error: --ref-load {tmp_path / 'ref_torch_dist'} is not a Hugging Face model directory" in error
     error = _refused(tmp_path, capsys, "--ref-load", str(reference), *kl_loss)
@@ -62,6 +62,9 @@ def test_ref_load_names_the_kl_reference_and_is_checked_only_when_a_kl_loss_read
     assert "no model weights" in error and "tokenizer" not in error.split("Fix:")[0]  # a reference needs no tokenizer
     (reference / "model.safetensors").write_bytes(_EMPTY_SAFETENSORS)
     assert _parse(tmp_path, "--ref-load", str(reference), *kl_loss).ref_load == str(reference)
+    # A KL penalty in the reward reads the reference too.
+    error = _refused(tmp_path, capsys, "--ref-load", str(tmp_path / "ref_torch_dist"), "--kl-coef", "0.01")
+    assert "is not a Hugging Face model directory" in error
 
 
 #: A valid safetensors file holding no tensors: an 8-byte header length, then the header `{}` padded to 8 bytes.
@@ -71,18 +74,29 @@ _EMPTY_SAFETENSORS = (8).to_bytes(8, "little") + b"{}      "
 def test_this_projects_own_spellings_still_work(tmp_path):
     args = _parse(tmp_path, "--no-rewards-normalization", "--kl-coef", "0.05", "--global-batch-size", "16")
     assert args.rewards_normalization is False and args.grpo_std_normalization is True
-    assert args.kl_coef == 0.05 and args.global_batch_size == 16
+    assert args.global_batch_size == 16
+
+
+def test_kl_coef_is_the_reward_penalty_and_kl_loss_coef_the_loss_term_as_upstream(tmp_path):
+    loss = LossSettings.from_args(_parse(tmp_path, "--kl-coef", "0.05"))
+    assert (loss.kl_reward_coef, loss.kl_loss_coef, loss.needs_reference, loss.needs_advantages) == (
+        0.05,
+        0.0,
+        True,
+        False,
+    )
     # --kl-loss-coef weighs nothing without --use-kl-loss, as upstream.
-    assert _parse(tmp_path, "--kl-loss-coef", "0.3").kl_coef == 0.0
+    loss = LossSettings.from_args(_parse(tmp_path, "--kl-loss-coef", "0.3"))
+    assert (loss.kl_loss_coef, loss.needs_reference) == (0.0, False)
+    # Both at once, as upstream allows: each keeps its own weight.
+    loss = LossSettings.from_args(_parse(tmp_path, "--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-coef", "0.1"))
+    assert (loss.kl_loss_coef, loss.kl_reward_coef) == (0.01, 0.1)
 
 
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (
-            ("--use-kl-loss", "--kl-loss-coef", "0.01", "--kl-coef", "0.1"),
-            "--use-kl-loss --kl-loss-coef 0.01 with --kl-coef 0.1: here --kl-coef is the KL loss's weight too",
-        ),
+        (("--kl-coef", "-0.1"), "--kl-coef must be >= 0.0, got -0.1"),
         (("--num-steps-per-rollout", "3"), "--num-steps-per-rollout 3 does not divide a rollout's 32 samples"),
         (
             ("--num-steps-per-rollout", "2", "--global-batch-size", "8"),

@@ -85,8 +85,11 @@ class ClusterSettings(Settings):
     train_num_cpus_per_rank: float = option("train_num_cpus_per_rank", 1.0, convert=float, above=0.0)
     #: `--train-resources`: custom Ray resources per rank, as sorted (name, amount) pairs.
     train_resources: tuple[tuple[str, float], ...] = option("train_resources", (), convert=resource_items)
-    #: A non-zero KL coefficient gives the actor ranks a reference model.
+    #: A KL penalty in the reward (`--kl-coef`) or a KL loss (`--use-kl-loss --kl-loss-coef`) gives the actor ranks a
+    #: reference model.
     kl_coef: float = option("kl_coef", 0.0, convert=float, minimum=0.0)
+    use_kl_loss: bool = option("use_kl_loss", False)
+    kl_loss_coef: float = option("kl_loss_coef", 0.0, convert=float, minimum=0.0)
     #: Set by checkpoint restore: the step the run must start at (None: the step after what the trainers load).
     start_rollout_id: int | None = option("start_rollout_id", convert=int, minimum=0)
 
@@ -108,7 +111,7 @@ class ClusterSettings(Settings):
 
     @property
     def with_ref(self) -> bool:
-        return self.kl_coef != 0.0
+        return self.kl_coef != 0.0 or (self.use_kl_loss and self.kl_loss_coef != 0.0)
 
 
 @dataclass(frozen=True)

@@ -344,7 +344,14 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--use-dynamic-batch-size", action="store_true")
     train.add_argument("--max-tokens-per-gpu", type=int, default=None)
     train.add_argument("--lr", type=float, default=1e-3)
-    train.add_argument("--kl-coef", type=float, default=0.0)
+    train.add_argument(
+        "--kl-coef",
+        type=float,
+        default=0.0,
+        help="KL penalty in the reward: each response token's reward loses kl_coef x KL(old policy || reference) "
+        "(--kl-loss-type), so a token's advantage loses the penalty of itself and every later token; for a KL term "
+        "in the loss use --use-kl-loss --kl-loss-coef",
+    )
     train.add_argument("--eps-clip", type=float, default=0.2)
     train.add_argument("--actor-num-nodes", type=int, default=1)
     train.add_argument("--actor-num-gpus-per-node", type=int, default=1, help="ranks per node (CPU processes on CPU)")

@@ -6,8 +6,8 @@ megatron-core is imported only in `init`. The ranks form one torch process group
 groups; each step's data is split into data-parallel shards only (`data_parallel_size`), and the ranks of one
 model replica load the same shard.
 
-One `train` call is one rollout step: the old-policy (and, with `--kl-coef`, reference) log-probs come from a
-forward-only pass, then one optimizer step per global batch of the schedule runs its micro batches through
+One `train` call is one rollout step: the old-policy (and, with a KL loss or `--kl-coef`, reference) log-probs come
+from a forward-only pass, then one optimizer step per global batch of the schedule runs its micro batches through
 Megatron's forward-backward schedule (1F1B with pipeline parallelism). Each micro batch is packed into one row
 with a block-diagonal causal mask; the loss is `slime.plugins.rl_losses.rl_loss`, the torch backend's, on
 log-probs and entropy computed over the vocabulary split across tensor-parallel ranks. Losses exist on the last
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from slime.plugins import torch_checkpoint as ckpt
 from slime.plugins.megatron_backend import checkpoint as mckpt
 from slime.plugins.megatron_backend.settings import MegatronSettings, check_model, check_same_architecture
-from slime.plugins.rl_losses import METRIC_NAMES, pad_right, rl_loss
+from slime.plugins.rl_losses import METRIC_NAMES, kl_shaped_advantages, pad_right, rl_loss
 from slime.plugins.torch_optim import lr_multiplier
 from slime.plugins.train_batch import TrainBatch, planned_schedule, rank_and_world
 from slime.weight_sync import WeightUpdate, send_weights
@@ -113,7 +113,7 @@ class MegatronTrainRayActor:
             use_distributed_optimizer=settings.use_distributed_optimizer,
         )
         self.ref_model: list[Any] | None = None
-        if with_ref or settings.train.loss.kl_coef != 0.0:
+        if with_ref or settings.train.loss.needs_reference:
             # The reference is --ref-load, else the policy the run started from; built with the policy's layout.
             from slime.plugins.megatron_backend.convert import load_hf_weights
 
@@ -203,6 +203,15 @@ class MegatronTrainRayActor:
         rollout_log_probs = (
             batch.rollout_log_probs(data) if settings.loss.use_tis and "rollout_log_probs" in data else None
         )
+        kl_reward = None
+        if settings.loss.kl_reward_coef:
+            # Only the last pipeline stage has log-probs; the others need no advantages.
+            penalties: list[float] = []
+            if old_log_probs is not None and ref_log_probs is not None:
+                advantages, penalties = kl_shaped_advantages(
+                    advantages, old_log_probs, ref_log_probs, batch.loss_masks, settings.loss
+                )
+            kl_reward = self._sum_over_loss_ranks(torch.tensor([sum(penalties), len(penalties)], dtype=torch.float64))
 
         # Loss metrics (METRIC_NAMES, then the sample count), summed on the ranks that compute the loss.
         self._sums = torch.zeros(len(METRIC_NAMES) + 1, dtype=torch.float64)
@@ -230,6 +239,8 @@ class MegatronTrainRayActor:
         metrics["train/steps"] = float(len(schedule) - skipped)
         metrics["train/skipped_steps"] = float(skipped)
         metrics["train/rollout_id"] = float(rollout_id)
+        if kl_reward is not None:
+            metrics["train/kl_reward"] = float(kl_reward[0]) / max(float(kl_reward[1]), 1.0)
         if not settings.use_rollout_logprobs and "rollout_log_probs" in data:
             mismatch = torch.zeros(2, dtype=torch.float64)
             if old_log_probs is not None:

@@ -46,7 +46,9 @@ def _options(model_dir: Path, **overrides) -> dict:
         "hf_checkpoint": str(model_dir),
         "lr": 1e-3,
         "entropy_coef": 0.05,
-        "kl_coef": 0.01,
+        "kl_coef": 0.01,  # a KL penalty in the reward
+        "use_kl_loss": True,
+        "kl_loss_coef": 0.01,
         **overrides,
     }
 
@@ -68,7 +70,7 @@ def test_two_rank_layouts_train_like_one_rank(layout, model_dir, steps, one_rank
     out = tmp_path / layout
     result = run_ranks(2, _options(model_dir, **LAYOUTS[layout]), steps, out, export=str(out / "export"))
     metrics = result["metrics"]
-    for name in ("train/loss", "train/pg_loss", "train/kl", "train/entropy", "train/grad_norm"):
+    for name in ("train/loss", "train/pg_loss", "train/kl", "train/kl_reward", "train/entropy", "train/grad_norm"):
         got, want = _series(metrics, name), _series(reference, name)
         assert got == pytest.approx(want, abs=1e-6), f"{layout}: {name} {got} != {want}"
     assert all(step["train/steps"] == 2 for step in metrics)
