@@ -85,9 +85,10 @@ class _Observers:
 
 
 def _train_metrics(results: Any) -> dict[str, Any]:
-    """Rank 0's metrics dict from the ranks' `train` results (backends may return nothing)."""
+    """Rank 0's metrics from the ranks' `train` results (backends may return nothing): its numeric entries (a
+    critic's results also carry the advantages it hands to the actor)."""
     if isinstance(results, list) and results and isinstance(results[0], dict):
-        return dict(results[0])
+        return {key: value for key, value in results[0].items() if isinstance(value, (int, float))}
     return {}
 
 

@@ -96,6 +96,12 @@ def reinforce_plus_plus_baseline(
     return _whiten(centered, response_lengths).tolist()
 
 
+def ppo(args: Any, rewards: Sequence[float], group: int, response_lengths: Sequence[int]) -> list[float]:
+    """PPO: the rewards unchanged. The critic turns them into per-token advantages with its values (GAE,
+    `slime.plugins.torch_critic`), and the actor trains on those."""
+    return [float(reward) for reward in rewards]
+
+
 @hookimpl
 def slime_advantage_estimators() -> Iterable[AdvantageEstimatorSpec]:
     return [
@@ -115,5 +121,8 @@ def slime_advantage_estimators() -> Iterable[AdvantageEstimatorSpec]:
             "reinforce_plus_plus_baseline",
             reinforce_plus_plus_baseline,
             "reward minus the prompt group's mean, whitened over the step's tokens",
+        ),
+        AdvantageEstimatorSpec(
+            "ppo", ppo, "GAE over a learned value model's estimates (--use-critic), whitened", needs_critic=True
         ),
     ]

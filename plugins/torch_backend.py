@@ -17,6 +17,10 @@ per global batch of the schedule, accumulating gradients over its micro batches.
 weight exports (float32 Hugging Face files, also under `--bf16` and `--fsdp`: rank 0 writes the full state every
 rank helps gather) are made durable before they become visible (see `slime.plugins.torch_checkpoint`); with
 `--update-weight-transport distributed` or `tensor`, rank 0 sends the weights itself (`slime.weight_sync`).
+
+With `--use-critic` a second group of these ranks, role "critic", trains PPO's value model
+(`slime.plugins.torch_critic`): its `train` fits the values and returns the GAE advantages of its shard, which the
+policy rank of the same index receives as `external_data` and trains on. The critic saves under `critic/`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +39,11 @@ import torch.distributed as dist
 
 from slime import hookimpl
 from slime.plugins import torch_checkpoint as ckpt
-from slime.plugins import torch_lora
+from slime.plugins import torch_critic, torch_lora
 from slime.plugins.rl_losses import (
     METRIC_NAMES,
     kl_shaped_advantages,
+    masked_mean,
     pad_right,
     rl_loss,
     token_log_probs_and_entropy,
@@ -52,6 +58,9 @@ from slime.utils.hf_checkpoint import check_reference_vocabulary
 from slime.weight_sync import WeightUpdate, send_weights
 
 logger = logging.getLogger(__name__)
+
+#: Where the critic's checkpoints go under `--save` (and are read under `--load`): the joint checkpoint's critic part.
+CRITIC_DIR = "critic"
 
 
 class TorchTrainRayActor:
@@ -76,9 +85,10 @@ class TorchTrainRayActor:
     # ------------------------------------------------------------------ setup
 
     def init(self, args: Any, role: str, with_ref: bool = False, with_opd_teacher: bool = False) -> int:
-        """Load model, optimizer and (when resuming) their state; return the first rollout id to train."""
-        if role != "actor":
-            raise ValueError(f"the torch backend trains the policy only, not role {role!r}; drop --use-critic")
+        """Load model, optimizer and (when resuming) their state; return the first rollout id to train. Role
+        "critic" (`--use-critic`) trains PPO's value model instead of the policy (`slime.plugins.torch_critic`)."""
+        if role not in ("actor", "critic"):
+            raise ValueError(f"the torch backend trains role 'actor' or 'critic', not {role!r}")
         if with_opd_teacher:
             raise ValueError("the torch backend has no on-policy distillation teacher; choose another --train-backend")
         settings = self.settings = TrainSettings.from_args(args)
@@ -102,14 +112,20 @@ class TorchTrainRayActor:
             gradient_checkpointing=settings.gradient_checkpointing,
         )
 
+        self.critic = torch_critic.CriticSettings.from_args(args) if role == "critic" else None
+        # The critic keeps its checkpoints beside the policy's, under critic/ (the joint checkpoint's critic part).
+        settings = self.settings = self._for_role(settings)
         load_root, step = self._checkpoint_to_load(settings)
         self.hf_source = self._hf_source(settings)
         checkpoint = ckpt.iter_dir(load_root, step) if step is not None else None
         # Under LoRA the base model always comes from --hf-checkpoint; a checkpoint holds the adapters only.
         source = checkpoint if checkpoint is not None and not settings.lora.enabled else self.hf_source
-        logger.info("rank %d loads the policy from %s", self.rank, source)
+        logger.info("rank %d loads the %s from %s", self.rank, "value model" if self.critic else "policy", source)
         # Weights stay float32 under --bf16 too: they are the optimizer's master weights (torch_parallel).
-        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        if self.critic is not None:
+            self.model = torch_critic.load_value_model(source)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
         if settings.lora.enabled:
             self.model = self._with_adapters(self.model, checkpoint)
         self.model = self.model.to(self.device)
@@ -117,7 +133,7 @@ class TorchTrainRayActor:
         # What training forwards call: the DDP wrapper, or the model itself (sharded in place under --fsdp).
         self.trained = self.parallel.prepare(self.model)
         self.ref_model = None
-        if with_ref or settings.loss.needs_reference:
+        if self.critic is None and (with_ref or settings.loss.needs_reference):
             # The reference is --ref-load, else the policy the run started from; run in the same precision (and
             # sharded alike).
             reference = settings.ref_load or self.hf_source
@@ -134,6 +150,20 @@ class TorchTrainRayActor:
             self._load_training_state(ckpt.iter_dir(load_root, step))
             return step + 1
         return settings.start_rollout_id or 0
+
+    def _for_role(self, settings: TrainSettings) -> TrainSettings:
+        """The settings this rank trains with: the critic saves and loads under `critic/` of `--save` / `--load`,
+        learns at `--critic-lr`, and has no adapters and no Hugging Face export (those are the policy's)."""
+        if self.critic is None:
+            return settings
+        return replace(
+            settings,
+            save=str(Path(settings.save) / CRITIC_DIR) if settings.save else None,
+            load=str(Path(settings.load) / CRITIC_DIR) if settings.load else None,
+            save_hf=None,
+            lora=replace(settings.lora, rank=0),
+            optimizer=replace(settings.optimizer, lr=self.critic.critic_lr or settings.optimizer.lr),
+        )
 
     def _select_device(self) -> torch.device:
         if torch.cuda.is_available():
@@ -221,20 +251,39 @@ class TorchTrainRayActor:
 
     # --------------------------------------------------------------- training
 
-    def train(self, rollout_id: int, rollout_data_ref: Sequence[Any]) -> dict[str, float]:
-        """Train on this rank's shard of one rollout step (`rollout_data_ref`: one reference per rank)."""
+    def train(
+        self, rollout_id: int, rollout_data_ref: Sequence[Any], external_data: Sequence[Any] | None = None
+    ) -> dict[str, Any]:
+        """Train on this rank's shard of one rollout step (`rollout_data_ref`: one reference per rank). With
+        `--use-critic` the policy's ranks get `external_data`, the critic ranks' results (Ray references), and
+        train on the advantages of the critic rank of their own index."""
         from slime.utils.data import process_rollout_data
 
         started = time.perf_counter()
         data = process_rollout_data(rollout_data_ref, self.rank, self.world_size)
         loaded = time.perf_counter() - started
+        critic_metrics: dict[str, float] = {}
+        if external_data is not None:
+            import ray
+
+            if len(external_data) != self.world_size:
+                raise ValueError(
+                    f"{len(external_data)} critic ranks for {self.world_size} policy ranks: with --use-critic give "
+                    "the critic as many ranks as the actor (--critic-num-nodes, --critic-num-gpus-per-node)"
+                )
+            result = external_data[self.rank]
+            result = ray.get(result) if isinstance(result, ray.ObjectRef) else result
+            advantages, critic_metrics = torch_critic.critic_advantages(result, data["partition"], self.rank)
+            data[torch_critic.ADVANTAGES_KEY] = advantages
         metrics = self.train_from_data(rollout_id, data)
         # Reading the shard through the transport: part of perf/train_time, shown apart in the breakdown.
         metrics["perf/train_data_load_time"] = loaded
-        return metrics
+        return {**metrics, **critic_metrics}
 
-    def train_from_data(self, rollout_id: int, data: dict[str, Any]) -> dict[str, float]:
+    def train_from_data(self, rollout_id: int, data: dict[str, Any]) -> dict[str, Any]:
         """One rollout step on an already loaded shard (the dict `process_rollout_data` returns)."""
+        if self.critic is not None:
+            return self._train_critic(data)
         batch = TrainBatch.from_data(data)
         schedule = self._schedule(data, len(batch))
         advantages = batch.advantages(data)
@@ -250,56 +299,31 @@ class TorchTrainRayActor:
             kl_reward = self._all_reduce(torch.tensor([sum(penalties), len(penalties)], dtype=torch.float64))
         rollout_log_probs = batch.rollout_log_probs(data) if loss.use_tis and "rollout_log_probs" in data else None
 
-        clip_grad = self.settings.optimizer.clip_grad
-        scaler = self.parallel.grad_scaler
+        def micro_batch_loss(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            log_probs, mask, entropy = self._log_probs(self.trained, batch, indices)
+            ref = rollout = None
+            if ref_log_probs is not None:
+                ref = pad_right([ref_log_probs[i] for i in indices]).to(self.device)
+            if rollout_log_probs is not None:
+                rollout = pad_right([rollout_log_probs[i] for i in indices]).to(self.device)
+            return rl_loss(
+                log_probs,
+                old_log_probs=pad_right([old_log_probs[i] for i in indices]).to(self.device),
+                advantages=pad_right([advantages[i] for i in indices]).to(self.device),
+                mask=mask,
+                settings=loss,
+                entropy=entropy,
+                ref_log_probs=ref,
+                rollout_log_probs=rollout,
+            )
+
+        def has_signal(micro_batches: list[list[int]]) -> bool:
+            # Every advantage 0 (all its prompt groups answered alike) and no other loss term: the gradient would
+            # be 0, and an AdamW step on it would only move the weights along stale momentum.
+            return not loss.needs_advantages or self._has_signal(batch, advantages, micro_batches)
+
         sums = torch.zeros(len(METRIC_NAMES) + 1, dtype=torch.float64)
-        grad_norms = []
-        skipped = 0
-        for global_size, step_micro_batches in schedule:
-            if loss.needs_advantages and not self._has_signal(batch, advantages, step_micro_batches):
-                # Every advantage is 0 (all its prompt groups answered alike) and the loss has no other term: the
-                # gradient would be 0, and an AdamW step on it would only move the weights along stale momentum.
-                skipped += 1
-                continue
-            self.optimizer.zero_grad(set_to_none=True)
-            denominator = self._loss_denominator(batch, step_micro_batches, global_size)
-            for position, indices in enumerate(step_micro_batches):
-                # Gradients reduce over the ranks once per optimizer step, in the last micro batch's backward.
-                with self.parallel.gradient_sync(self.trained, position == len(step_micro_batches) - 1):
-                    if not indices:
-                        # Keeps the collectives (DDP's all-reduce; FSDP's all-gathers and reduce-scatter) in step
-                        # with ranks that do have samples here.
-                        scaler.scale(self.parallel.dummy_loss(self.trained)).backward()
-                        continue
-                    log_probs, mask, entropy = self._log_probs(self.trained, batch, indices)
-                    ref = rollout = None
-                    if ref_log_probs is not None:
-                        ref = pad_right([ref_log_probs[i] for i in indices]).to(self.device)
-                    if rollout_log_probs is not None:
-                        rollout = pad_right([rollout_log_probs[i] for i in indices]).to(self.device)
-                    sample_loss, sample_metrics = rl_loss(
-                        log_probs,
-                        old_log_probs=pad_right([old_log_probs[i] for i in indices]).to(self.device),
-                        advantages=pad_right([advantages[i] for i in indices]).to(self.device),
-                        mask=mask,
-                        settings=loss,
-                        entropy=entropy,
-                        ref_log_probs=ref,
-                        rollout_log_probs=rollout,
-                    )
-                    # Summed over the global batch and divided by its samples or tokens; DDP and FSDP average over
-                    # ranks, which the world size undoes.
-                    scaler.scale(sample_loss.sum() * (self.world_size / denominator)).backward()
-                    sums[:-1] += sample_metrics.sum(dim=1).double().cpu()
-                    sums[-1] += len(indices)
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            grad_norm = self.parallel.optimizer_step(self.optimizer, params, clip_grad)
-            if grad_norm is None:  # --fp16: the scaled gradients overflowed; the optimizer did not step
-                skipped += 1
-                continue
-            grad_norms.append(grad_norm)
-            self.scheduler.step()
-            self.global_step += 1
+        grad_norms, skipped = self._optimizer_steps(batch, schedule, micro_batch_loss, sums, has_signal)
         sums = self._all_reduce(sums)
         count = max(float(sums[-1]), 1.0)
         metrics = {
@@ -315,6 +339,96 @@ class TorchTrainRayActor:
         if (mismatch := self._rollout_log_prob_mismatch(data, batch, old_log_probs)) is not None:
             metrics["train/rollout_logprob_abs_diff"] = mismatch
         return metrics
+
+    def _optimizer_steps(
+        self,
+        batch: TrainBatch,
+        schedule: list[tuple[int, list[list[int]]]],
+        micro_batch_loss: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]],
+        sums: torch.Tensor,
+        has_signal: Callable[[list[list[int]]], bool] | None = None,
+    ) -> tuple[list[float], int]:
+        """One optimizer step per entry of `schedule` (skipped when `has_signal` says it has none), accumulating
+        `micro_batch_loss(indices) -> (sample_loss, metrics [k, batch])` over its micro batches; adds the metrics'
+        sums and the sample count to `sums` (`[k + 1]`). Returns the steps' gradient norms and the skipped count."""
+        clip_grad = self.settings.optimizer.clip_grad
+        scaler = self.parallel.grad_scaler
+        grad_norms: list[float] = []
+        skipped = 0
+        for global_size, step_micro_batches in schedule:
+            if has_signal is not None and not has_signal(step_micro_batches):
+                skipped += 1
+                continue
+            self.optimizer.zero_grad(set_to_none=True)
+            denominator = self._loss_denominator(batch, step_micro_batches, global_size)
+            for position, indices in enumerate(step_micro_batches):
+                # Gradients reduce over the ranks once per optimizer step, in the last micro batch's backward.
+                with self.parallel.gradient_sync(self.trained, position == len(step_micro_batches) - 1):
+                    if not indices:
+                        # Keeps the collectives (DDP's all-reduce; FSDP's all-gathers and reduce-scatter) in step
+                        # with ranks that do have samples here.
+                        scaler.scale(self.parallel.dummy_loss(self.trained)).backward()
+                        continue
+                    sample_loss, sample_metrics = micro_batch_loss(indices)
+                    # Summed over the global batch and divided by its samples or tokens; DDP and FSDP average over
+                    # ranks, which the world size undoes.
+                    scaler.scale(sample_loss.sum() * (self.world_size / denominator)).backward()
+                    sums[:-1] += sample_metrics.sum(dim=1).double().cpu()
+                    sums[-1] += len(indices)
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            grad_norm = self.parallel.optimizer_step(self.optimizer, params, clip_grad)
+            if grad_norm is None:  # --fp16: the scaled gradients overflowed; the optimizer did not step
+                skipped += 1
+                continue
+            grad_norms.append(grad_norm)
+            self.scheduler.step()
+            self.global_step += 1
+        return grad_norms, skipped
+
+    def _train_critic(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The critic's step (`slime.plugins.torch_critic`): old values, GAE advantages and returns from the
+        shard's rewards, whitened over every rank's counted tokens, then the clipped value loss on the schedule.
+        Returns the `critic/*` metrics, the shard's sample positions and their advantages (for the actor)."""
+        batch = TrainBatch.from_data(data)
+        schedule = self._schedule(data, len(batch))
+        micro_batches = [mb for step in schedule for mb in step[1]]
+        if "rewards" not in data:
+            raise ValueError("training data has no 'rewards' for the critic's returns")
+        rewards = [float(value) for value in data["rewards"]]
+        old_values = self._frozen_values(batch, micro_batches)
+        gamma, lambd = self.critic.gamma, self.critic.lambd
+        estimates = [
+            torch_critic.gae(reward, values, mask, gamma, lambd)
+            for reward, values, mask in zip(rewards, old_values, batch.loss_masks, strict=True)
+        ]
+        returns = [estimate[1] for estimate in estimates]
+        advantages = torch_critic.whiten([estimate[0] for estimate in estimates], batch.loss_masks, self._all_reduce)
+
+        def micro_batch_loss(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            values, mask = self._values(self.trained, batch, indices)
+            old = pad_right([old_values[i] for i in indices]).to(self.device)
+            token_loss, clipped = torch_critic.value_loss(
+                values, old, pad_right([returns[i] for i in indices]).to(self.device), mask, self.critic.value_clip
+            )
+            sample_loss = self.settings.loss.reduce_tokens(token_loss, mask)
+            # Per sample, its masked mean of: the value loss, the clipped fraction, the predicted values.
+            metrics = torch.stack([masked_mean(v.detach().float(), mask) for v in (token_loss, clipped, values)])
+            return sample_loss, metrics
+
+        sums = torch.zeros(4, dtype=torch.float64)
+        grad_norms, skipped = self._optimizer_steps(batch, schedule, micro_batch_loss, sums)
+        sums = self._all_reduce(sums)
+        count = max(float(sums[-1]), 1.0)
+        return {
+            "critic/value_loss": float(sums[0]) / count,
+            "critic/value_clipfrac": float(sums[1]) / count,
+            "critic/values": float(sums[2]) / count,
+            "critic/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+            "critic/lr": float(self.scheduler.get_last_lr()[0]),
+            "critic/skipped_steps": float(skipped),
+            torch_critic.PARTITION_KEY: [int(i) for i in data["partition"]],
+            torch_critic.ADVANTAGES_KEY: [advantage.tolist() for advantage in advantages],
+        }
 
     def _rollout_log_prob_mismatch(
         self, data: dict[str, Any], batch: TrainBatch, old_log_probs: list[torch.Tensor]
@@ -396,19 +510,40 @@ class TorchTrainRayActor:
         tokens = pad_right([batch.tokens[i] for i in indices], dtype=torch.long).to(self.device)
         logits = self.parallel.logits(model, tokens)
         all_log_probs, all_entropy = token_log_probs_and_entropy(logits[:, :-1], tokens[:, 1:])
-        width = max(batch.response_lengths[i] for i in indices)
-
-        def responses(values: torch.Tensor) -> torch.Tensor:
-            rows = []
-            for row, i in enumerate(indices):
-                total, response = batch.total_lengths[i], batch.response_lengths[i]
-                rows.append(
-                    torch.nn.functional.pad(values[row, total - response - 1 : total - 1], (0, width - response))
-                )
-            return torch.stack(rows)
-
         mask = pad_right([batch.loss_masks[i] for i in indices]).to(self.device)
-        return responses(all_log_probs), mask, responses(all_entropy)
+        return self._responses(all_log_probs, batch, indices), mask, self._responses(all_entropy, batch, indices)
+
+    def _values(self, model: Any, batch: TrainBatch, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The value model's estimate for each response token's state `[B, R_max]` (the position whose logits
+        would predict the token, as for log-probs) and the loss mask, for samples `indices` (right padded)."""
+        tokens = pad_right([batch.tokens[i] for i in indices], dtype=torch.long).to(self.device)
+        values = self.parallel.logits(model, tokens).squeeze(-1).float()
+        mask = pad_right([batch.loss_masks[i] for i in indices]).to(self.device)
+        return self._responses(values[:, :-1], batch, indices), mask
+
+    def _frozen_values(self, batch: TrainBatch, micro_batches: list[list[int]]) -> list[torch.Tensor]:
+        """Each sample's response-token values before the step (no gradient), on the CPU."""
+        out: list[torch.Tensor] = [torch.zeros(0)] * len(batch)
+        with torch.no_grad():
+            for indices in micro_batches:
+                if not indices:
+                    if self.parallel.collective_forward:
+                        self.parallel.dummy_loss(self.trained)  # the other ranks' all-gathers wait for this one's
+                    continue
+                values, _ = self._values(self.trained, batch, indices)
+                for row, i in enumerate(indices):
+                    out[i] = values[row, : batch.response_lengths[i]].cpu()
+        return out
+
+    @staticmethod
+    def _responses(values: torch.Tensor, batch: TrainBatch, indices: list[int]) -> torch.Tensor:
+        """The response positions of `values` (`[B, T - 1]`, position p scoring token p + 1), right padded."""
+        width = max(batch.response_lengths[i] for i in indices)
+        rows = []
+        for row, i in enumerate(indices):
+            total, response = batch.total_lengths[i], batch.response_lengths[i]
+            rows.append(torch.nn.functional.pad(values[row, total - response - 1 : total - 1], (0, width - response)))
+        return torch.stack(rows)
 
     def _all_reduce(self, tensor: torch.Tensor, op: Any = None) -> torch.Tensor:
         if self.world_size == 1:
@@ -597,6 +732,7 @@ def slime_addoption(parser) -> None:
         "then the whole model; gloo on CPU, NCCL on GPU) instead of replicating them with DDP",
     )
     torch_lora.add_options(parser)
+    torch_critic.add_options(parser)
 
 
 @hookimpl
@@ -604,6 +740,7 @@ def slime_configure(args: Any) -> None:
     """Refuse, while the arguments are parsed, LoRA flags this run cannot use (`slime.plugins.torch_lora`) and
     precision flags it cannot combine."""
     torch_lora.check_args(args)
+    torch_critic.check_args(args)
     if (
         getattr(args, "train_backend", "torch") == "torch"
         and getattr(args, "fp16", False)

@@ -103,10 +103,13 @@ def test_every_estimator_is_registered_and_gspo_defaults_to_the_sequence_ratio(t
 def test_parse_time_refusals_name_the_flags(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     base = ["--plugin", "straw", "--save", str(tmp_path / "r")]
     with pytest.raises(SystemExit) as exited:
-        parse_args([*base, "--advantage-estimator", "ppo"])
+        parse_args([*base, "--advantage-estimator", "ppo2"])
     assert exited.value.code == 2
     error = capsys.readouterr().err
-    assert "No advantage estimator named 'ppo'" in error and "dr_grpo, grpo, gspo, reinforce_plus_plus" in error
+    assert "No advantage estimator named 'ppo2'" in error and "dr_grpo, grpo, gspo, ppo, reinforce_plus_plus" in error
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--advantage-estimator", "ppo"])
+    assert "--advantage-estimator ppo needs a value model: add --use-critic" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args([*base, "--use-critic"])
     assert "--use-critic trains a value model that --advantage-estimator grpo does not use" in capsys.readouterr().err

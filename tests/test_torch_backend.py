@@ -288,9 +288,9 @@ def test_bad_training_data_is_rejected_with_the_reason(hf_dir, tmp_path):
         actor.train_from_data(0, data)
 
 
-def test_the_critic_role_fails_at_init(hf_dir, tmp_path):
-    with pytest.raises(ValueError, match="drop --use-critic"):
-        TorchTrainRayActor(world_size=1, rank=0).init(make_args(hf_dir, tmp_path), "critic")
+def test_an_unknown_role_fails_at_init(hf_dir, tmp_path):
+    with pytest.raises(ValueError, match="trains role 'actor' or 'critic', not 'teacher'"):
+        TorchTrainRayActor(world_size=1, rank=0).init(make_args(hf_dir, tmp_path), "teacher")
 
 
 @pytest.mark.parametrize(

@@ -291,7 +291,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--advantage-estimator",
         default="grpo",
         help="registered advantage estimator (built in: grpo, gspo, dr_grpo, rloo, reinforce_plus_plus, "
-        "reinforce_plus_plus_baseline; `slime-run plugins` lists every one loaded); docs/losses.md",
+        "reinforce_plus_plus_baseline, ppo with --use-critic; `slime-run plugins` lists every one loaded); "
+        "docs/losses.md",
     )
     train.add_argument(
         "--importance-ratio-level",

@@ -58,6 +58,10 @@ def slime_configure(args: Any) -> None:
     from slime.plugins.megatron_backend.cpu_compat import check_megatron_core
     from slime.ray.settings import ClusterSettings
 
+    if getattr(args, "use_critic", False):
+        raise ValueError(
+            "--use-critic: the megatron backend trains the policy only; PPO's value model needs --train-backend torch"
+        )
     settings = MegatronSettings.from_args(args)
     check_model_support(settings)
     if not torch.cuda.is_available():
