@@ -94,12 +94,12 @@ def load_value_model(source: str) -> Any:
     from transformers import AutoConfig, AutoModelForTokenClassification
     from transformers.utils import logging as hf_logging
 
-    config = AutoConfig.from_pretrained(source, num_labels=1)
-    config.classifier_dropout = 0.0
+    model_config = AutoConfig.from_pretrained(source, num_labels=1)
+    model_config.classifier_dropout = 0.0  # read by the token-classification head's constructor
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the fresh head and the dropped LM head are expected, not news
     try:
-        return AutoModelForTokenClassification.from_pretrained(source, config=config, dtype=torch.float32)
+        return AutoModelForTokenClassification.from_pretrained(source, config=model_config, dtype=torch.float32)
     finally:
         hf_logging.set_verbosity(verbosity)
 

@@ -139,6 +139,7 @@ def test_parse_time_refusals_name_the_flags(tmp_path: Path, capsys: pytest.Captu
         (("--critic-num-gpus-per-node", "2"), "--use-critic with 2 critic ranks"),
         (("--lambd", "1.5"), "--lambd (1.5) must be in [0, 1]"),
         (("--value-clip", "0"), "--value-clip must be > 0.0, got 0.0"),
+        (("--train-backend", "megatron"), "--use-critic: the megatron backend trains the policy only"),
     ]:
         with pytest.raises(SystemExit):
             parse_args([*base, *flags])
