@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from slime import hookimpl
-from slime.data.checkpoint import TRACKER, RestorePlan, commit_checkpoint, committed_steps
+from slime.data.checkpoint import CRITIC_DIR, TRACKER, RestorePlan, commit_checkpoint, committed_steps
 from slime.data.checkpoint_settings import CheckpointSettings
 from slime.specs import CheckpointPolicySpec
 
@@ -164,7 +164,7 @@ def _prune(settings: CheckpointSettings, restore_plan: RestorePlan | None) -> li
         (rollout / f"committed_{step}.json").unlink()
         for name in ("queue_state", "builder_state"):
             (rollout / f"{name}_{step}.json").unlink(missing_ok=True)
-        for model in (directory / f"iter_{step:07d}", directory / "critic" / f"iter_{step:07d}"):
+        for model in (directory / f"iter_{step:07d}", directory / CRITIC_DIR / f"iter_{step:07d}"):
             if model.is_dir():
                 shutil.rmtree(model)
         logger.info("Pruned checkpoint step %d of %s (retention rule)", step, directory)

@@ -20,7 +20,8 @@ rank helps gather) are made durable before they become visible (see `slime.plugi
 
 With `--use-critic` a second group of these ranks, role "critic", trains PPO's value model
 (`slime.plugins.torch_critic`): its `train` fits the values and returns the GAE advantages of its shard, which the
-policy rank of the same index receives as `external_data` and trains on. The critic saves under `critic/`.
+policy rank of the same index receives as `external_data` and trains on. The critic's group gets `--save` and
+`--load` under `critic/` from the framework, and saves there as the policy saves under `--save`.
 """
 
 from __future__ import annotations
@@ -58,9 +59,6 @@ from slime.utils.hf_checkpoint import check_reference_vocabulary
 from slime.weight_sync import WeightUpdate, send_weights
 
 logger = logging.getLogger(__name__)
-
-#: Where the critic's checkpoints go under `--save` (and are read under `--load`): the joint checkpoint's critic part.
-CRITIC_DIR = "critic"
 
 
 class TorchTrainRayActor:
@@ -113,7 +111,6 @@ class TorchTrainRayActor:
         )
 
         self.critic = torch_critic.CriticSettings.from_args(args) if role == "critic" else None
-        # The critic keeps its checkpoints beside the policy's, under critic/ (the joint checkpoint's critic part).
         settings = self.settings = self._for_role(settings)
         load_root, step = self._checkpoint_to_load(settings)
         self.hf_source = self._hf_source(settings)
@@ -152,14 +149,13 @@ class TorchTrainRayActor:
         return settings.start_rollout_id or 0
 
     def _for_role(self, settings: TrainSettings) -> TrainSettings:
-        """The settings this rank trains with: the critic saves and loads under `critic/` of `--save` / `--load`,
-        learns at `--critic-lr`, and has no adapters and no Hugging Face export (those are the policy's)."""
+        """The settings this rank trains with: the critic learns at `--critic-lr` and has no adapters and no Hugging
+        Face export (those are the policy's). Where it saves is the framework's choice: its group's `args.save`
+        (`slime.data.checkpoint.critic_arguments`)."""
         if self.critic is None:
             return settings
         return replace(
             settings,
-            save=str(Path(settings.save) / CRITIC_DIR) if settings.save else None,
-            load=str(Path(settings.load) / CRITIC_DIR) if settings.load else None,
             save_hf=None,
             lora=replace(settings.lora, rank=0),
             optimizer=replace(settings.optimizer, lr=self.critic.critic_lr or settings.optimizer.lr),

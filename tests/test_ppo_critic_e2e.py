@@ -1,6 +1,6 @@
 """PPO with a critic end to end on the CPU demo (`--advantage-estimator ppo --use-critic`, docs/losses.md).
 
-- A run killed at random moments (every process at once) and rerun ends with bitwise the policy, the critic, the
+- A run killed at a random moment (every process at once) and rerun ends with bitwise the policy, the critic, the
   rewards and the losses of an uninterrupted run: the joint checkpoint restores the critic's weights, optimizer
   and schedule with the policy's, and every step trained its batch exactly once across the kills.
 - The demo reaches its reward target with PPO's settings from docs/losses.md; in `nox -s extended`, to keep CI
@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,7 @@ def test_a_killed_ppo_run_resumes_to_bitwise_the_policy_and_critic_of_an_uninter
     save = tmp_path / "killed" / "run"
     save.parent.mkdir(parents=True)
     args = _args(save, num_rollout, interval, *critic_only)
-    plan = KillPlan(kills=2, seed=5)
+    plan = KillPlan(kills=1, seed=5)
     kills = run_with_kills(args, save, tmp_path / "killed.log", plan, commit_count=joint_commit_count)
     run_records.run_to_end(args, save, tmp_path / "killed.log", RUN_TIMEOUT_S)
 
@@ -69,6 +70,11 @@ def test_a_killed_ppo_run_resumes_to_bitwise_the_policy_and_critic_of_an_uninter
     committed = list(run_records.commits(reference))
     assert committed and list(run_records.commits(save)) == committed
     run_records.assert_trained_once(save, committed)
+    # Each joint commit binds the critic's checkpoint with the policy's: its marker lists (and sized) both.
+    for step, marker in run_records.commits(save).items():
+        listed = json.loads(marker.read_text())["files"]
+        for part in ("", "critic/"):
+            assert f"{part}iter_{step:07d}/model.safetensors" in listed, (step, part, sorted(listed))
 
 
 @pytest.mark.e2e

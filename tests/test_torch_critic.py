@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_torch_backend import hf_dir, make_args, make_batch, sequence_log_probs, start  # noqa: F401  (a fixture)
 
+from slime.data.checkpoint import critic_arguments
 from slime.plugins import torch_critic
 from slime.plugins.torch_backend import TorchTrainRayActor
 from slime.utils.arguments import parse_args
@@ -74,8 +75,9 @@ def test_an_actor_rank_refuses_advantages_of_other_samples() -> None:
 
 
 def _critic(model_dir: Path, tmp_path: Path, **overrides) -> tuple[TorchTrainRayActor, int]:
+    """A critic rank with the args its group gets (`critic_arguments`: save and load under critic/)."""
     actor = TorchTrainRayActor(world_size=1, rank=0)
-    first = actor.init(make_args(model_dir, tmp_path, use_critic=True, **overrides), "critic")
+    first = actor.init(critic_arguments(make_args(model_dir, tmp_path, use_critic=True, **overrides)), "critic")
     return actor, first
 
 
@@ -128,6 +130,17 @@ def test_the_critic_checkpoint_lives_under_critic_and_resumes_where_it_left_off(
     assert again["critic/value_loss"] == pytest.approx(following["critic/value_loss"], rel=1e-6)
     for got, want in zip(again["advantages"], following["advantages"], strict=True):
         assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_the_critic_group_saves_and_loads_under_critic_of_the_runs_directories(tmp_path: Path) -> None:
+    args = make_args(tmp_path / "model", tmp_path, load=str(tmp_path / "parent"))
+    critic_args = critic_arguments(args)
+    assert (critic_args.save, critic_args.load) == (
+        str(tmp_path / "save" / "critic"),
+        str(tmp_path / "parent" / "critic"),
+    )
+    assert (args.save, args.load) == (str(tmp_path / "save"), str(tmp_path / "parent"))  # the run's own, unchanged
+    assert critic_arguments(make_args(tmp_path, tmp_path, load=None)).load is None
 
 
 def test_parse_time_refusals_name_the_flags(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

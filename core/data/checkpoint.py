@@ -1,6 +1,6 @@
 """Joint checkpoints: selection of what to restore, and the commit that makes a training step durable.
 
-A joint checkpoint of step N is the model save (`iter_<N:07d>`, also under `critic/` with a critic), the
+A joint checkpoint of step N is the model save (`iter_<N:07d>`, and `critic/iter_<N:07d>` with a critic), the
 queue and batch-builder snapshots (`rollout/queue_state_N.json`, `rollout/builder_state_N.json`) and, last,
 the marker `rollout/committed_N.json` listing every file with its size (and sha256 for metadata). Restores
 never write into the checkpoint they read: each writes a fresh branch (`<save>/branches/<uuid hex>`), and
@@ -9,6 +9,7 @@ the logical save dir's `rollout/current.json` names the active branch.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -27,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 MARKER_VERSION = 1
 TRACKER = "latest_checkpointed_iteration.txt"
+#: The critic's part of a save directory: its `iter_<N>` and tracker, beside the policy's.
+CRITIC_DIR = "critic"
 _COMMITTED = re.compile(r"committed_(\d+)\.json")
 
 
@@ -58,6 +61,17 @@ def write_report(path: Path, value: Any) -> None:
     from straw.reporting import write_report as straw_write_report
 
     straw_write_report(path, value)
+
+
+def critic_arguments(args: Any) -> Any:
+    """The critic group's copy of the run's `args`: it saves under `critic/` of `--save` and loads from `critic/` of
+    `--load`, so that a joint commit (built from each group's args) lists and fsyncs its files beside the policy's,
+    and a restore loads both parts of the same commit."""
+    critic_args = copy.copy(args)
+    for name in ("save", "load"):
+        value = getattr(args, name, None)
+        setattr(critic_args, name, str(Path(value) / CRITIC_DIR) if value else value)
+    return critic_args
 
 
 def _sha256(path: Path) -> str:

@@ -16,7 +16,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from slime.data.checkpoint import MARKER_VERSION, TRACKER, _is_checkpoint_dir, committed_steps, resolve_checkpoint
+from slime.data.checkpoint import (
+    CRITIC_DIR,
+    MARKER_VERSION,
+    TRACKER,
+    _is_checkpoint_dir,
+    committed_steps,
+    resolve_checkpoint,
+)
 from slime.data.durable_files import DurableFileError, check_listed_file, load_json_record
 
 #: The batch builder's consumer of the queue (`slime.data.queue_controller.TRAINING_CONSUMER`; that module
@@ -309,7 +316,7 @@ def _commit_info(directory: Path, step: int) -> CommitInfo:
     for relative, listed in sorted(marker["files"].items()):
         parts = relative.split("/")
         kind = parts[0] if parts[0] != "rollout" else parts[1].rsplit("_", 1)[0]
-        kind = "critic" if kind == "critic" else ("model" if kind.startswith("iter_") else kind)
+        kind = "critic" if kind == CRITIC_DIR else ("model" if kind.startswith("iter_") else kind)
         entry = components.setdefault(kind, [0, 0])
         entry[0] += 1
         entry[1] += int(listed.get("size", 0))

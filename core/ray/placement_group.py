@@ -18,6 +18,7 @@ from typing import Any
 import ray
 
 from slime.backend_interfaces import check_run_backends
+from slime.data.checkpoint import critic_arguments
 from slime.ray.actor_group import Placement, RayTrainGroup
 from slime.ray.layout import NodeGroup, alive_nodes, engine_demand, fit_layout
 from slime.ray.settings import ClusterSettings, DriverSettings, ManagerSettings, ServingSettings
@@ -133,7 +134,7 @@ def create_training_models(
     critic = None
     if settings.use_critic:
         critic = RayTrainGroup(
-            args,
+            critic_arguments(args),
             settings.critic_num_nodes,
             settings.critic_num_gpus_per_node,
             pg=pgs["critic"],
