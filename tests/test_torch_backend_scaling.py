@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from slime.data.checkpoint import critic_arguments
 from slime.plugins import torch_checkpoint as ckpt
 from slime.plugins.torch_backend import TorchTrainRayActor
 from slime.plugins.torch_parallel import Parallelism
@@ -243,6 +244,11 @@ def _two_rank_worker(rank: int, port: int, hf: str, out: str) -> None:
     del from_ddp
     fast = actor("bf16-gc", fsdp=True, bf16=True, gradient_checkpointing=True)
     results["bf16_gc"] = _run(fast, rank, range(2))
+    del fast
+    # PPO's critic on two DDP ranks: its whitening and its value loss span both shards.
+    critic = TorchTrainRayActor(world_size=2, rank=rank, master_addr="127.0.0.1", master_port=port)
+    critic.init(critic_arguments(make_args(Path(hf), out_dir / "critic", use_critic=True)), "critic")
+    results["critic"] = [critic.train_from_data(step, _shard(rank)) for step in range(2)]
     torch.save(results, out_dir / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
@@ -318,3 +324,23 @@ def test_gradient_checkpointing_under_ddp_and_fsdp(two_ranks):
     got, want = results["bf16_gc"]["losses"], results["fsdp"]["losses"][:2]
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < BF16_LOSS_TOLERANCE, (got, want)
     assert all(math.isfinite(n) and n > 0 for n in results["bf16_gc"]["grad_norms"])
+
+
+@pytest.mark.slow
+def test_two_critic_ranks_give_the_advantages_and_losses_of_one(two_ranks, hf_dir, tmp_path):
+    _, out = two_ranks
+    ranks = [torch.load(out / f"rank{rank}.pt", weights_only=True)["critic"] for rank in (0, 1)]
+    single = TorchTrainRayActor(world_size=1, rank=0)
+    single.init(critic_arguments(make_args(hf_dir, tmp_path, use_critic=True)), "critic")
+    full = make_batch(8)
+    # The two ranks' optimizer steps as one rank's: samples 0, 1, 2 and 5, then 3, 4, 6 and 7 (see `_shard`).
+    full.update(partition=list(range(8)), global_batch_sizes=[4, 4], num_microbatches=[1, 1])
+    full["micro_batch_indices"] = [[0, 1, 2, 5], [3, 4, 6, 7]]
+    for step in range(2):
+        one = single.train_from_data(step, full)
+        by_sample = dict(zip(one["partition"], one["advantages"], strict=True))
+        assert sorted(p for result in ranks for p in result[step]["partition"]) == list(range(8))
+        for result in ranks:
+            for position, advantages in zip(result[step]["partition"], result[step]["advantages"], strict=True):
+                assert advantages == pytest.approx(by_sample[position], abs=1e-5), (step, position)
+            assert result[step]["critic/value_loss"] == pytest.approx(one["critic/value_loss"], rel=1e-5)
