@@ -108,25 +108,28 @@ def format_inspection(report: Any) -> str:
     for branch, row in zip(report.branches, table[1:], strict=True):
         lines += [row, f"         why: {branch.reason}"]
     lines += ["", "JOINT COMMITS"]
+    commits = [(branch, commit) for branch in report.branches for commit in branch.commits]
+    # A CRITIC column only for runs that train one (--use-critic): its files are a commit's second model.
+    models = ["model", "critic"] if any("critic" in commit.components for _, commit in commits) else ["model"]
     rows = []
-    for branch in report.branches:
-        for commit in branch.commits:
-            parts = commit.components
-            model = parts.get("model", [0, 0])
-            rows.append(
-                [
-                    branch.name,
-                    commit.step,
-                    "complete" if commit.complete else "TORN",
-                    "yes" if commit.resumable else "no",
-                    f"{model[0]} files {_bytes(model[1])}",
-                    _bytes(parts.get("queue_state", [0, 0])[1]),
-                    _bytes(parts.get("builder_state", [0, 0])[1]),
-                    _bytes(commit.total_bytes),
-                ]
-            )
+    for branch, commit in commits:
+        parts = commit.components
+        sizes = [parts.get(kind, [0, 0]) for kind in models]
+        rows.append(
+            [
+                branch.name,
+                commit.step,
+                "complete" if commit.complete else "TORN",
+                "yes" if commit.resumable else "no",
+                *(f"{files} files {_bytes(size)}" for files, size in sizes),
+                _bytes(parts.get("queue_state", [0, 0])[1]),
+                _bytes(parts.get("builder_state", [0, 0])[1]),
+                _bytes(commit.total_bytes),
+            ]
+        )
     if rows:
-        lines += _table(["BRANCH", "STEP", "STATE", "RESUMABLE", "MODEL", "QUEUE", "BUILDER", "TOTAL"], rows)
+        headers = ["BRANCH", "STEP", "STATE", "RESUMABLE", *(kind.upper() for kind in models), "QUEUE", "BUILDER"]
+        lines += _table([*headers, "TOTAL"], rows)
     else:
         lines.append("  none")
     for branch in report.branches:

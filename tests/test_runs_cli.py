@@ -94,8 +94,9 @@ def test_runs_help_explains_both_commands(capsys: pytest.CaptureFixture) -> None
     assert "slime-run runs audit DIR" in text and "trained exactly once" in text and "Exit status" in text
 
 
-def _synthetic_save(save: Path) -> Path:
-    """A committed step 0 whose model file was later truncated, in a save dir whose pool is gone."""
+def _synthetic_save(save: Path, *, critic: bool = False) -> Path:
+    """A committed step 0 whose model file was later truncated, in a save dir whose pool is gone (with `critic`, the
+    commit also lists a critic checkpoint)."""
     configuration = {"hf_checkpoint": str(save / "model"), "prompt_data": str(save / "prompts.jsonl")}
     branch = {
         "version": 1,
@@ -110,6 +111,9 @@ def _synthetic_save(save: Path) -> Path:
     _write(save / "latest_checkpointed_iteration.txt", "0")
     model = _write(save / "iter_0000000" / "model.safetensors", "x" * 100)
     files = {"iter_0000000/model.safetensors": _listed(model, hashed=False)}
+    if critic:
+        value_model = _write(save / "critic" / "iter_0000000" / "model.safetensors", "v" * 300)
+        files["critic/iter_0000000/model.safetensors"] = _listed(value_model, hashed=False)
     for name in ("queue_state", "builder_state"):
         path = _write(save / "rollout" / f"{name}_0.json", {"version": 1})
         files[f"rollout/{name}_0.json"] = _listed(path)
@@ -148,6 +152,21 @@ def test_runs_reports_a_torn_commit_a_missing_pool_and_what_a_rerun_would_do(
     report = json.loads(capsys.readouterr().out)
     (commit,) = report["branches"][0]["commits"]
     assert commit["step"] == 0 and commit["problem"].startswith(str(model)) and report["rerun"]["action"] == "refuse"
+
+
+def test_runs_shows_the_critics_part_of_each_commit_when_the_run_trains_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    _synthetic_save(tmp_path / "plain")
+    main(["runs", str(tmp_path / "plain")])
+    assert "CRITIC" not in capsys.readouterr().out
+    _synthetic_save(tmp_path / "ppo", critic=True)
+    main(["runs", str(tmp_path / "ppo")])
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.strip().startswith("BRANCH") and "STEP" in line)
+    assert header.split()[4:6] == ["MODEL", "CRITIC"]
+    row = next(line for line in lines if line.strip().startswith("(root)") and "TORN" in line)
+    assert "1 files 300 B" in row
 
 
 def test_runs_names_a_truncated_branch_record_and_audit_reports_it(
