@@ -67,7 +67,7 @@ def add_options(parser: Any) -> None:
         default=0.2,
         help="the clipped value loss's range: a value moving further than this from its old value is clipped",
     )
-    group.add_argument("--critic-lr", type=float, default=None, help="the critic's learning rate (default: --lr)")
+    group.add_argument("--critic-lr", type=float, default=None, help="the critic's learning rate; None: --lr's")
 
 
 def check_args(args: Any) -> None:

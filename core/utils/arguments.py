@@ -301,8 +301,19 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="the policy loss's importance ratio: one per token (PPO) or one per sequence, the geometric mean of its "
         "tokens' (GSPO) (default: the advantage estimator's: sequence for gspo, token otherwise)",
     )
-    train.add_argument("--use-critic", action="store_true")
-    train.add_argument("--num-critic-only-steps", type=int, default=0)
+    train.add_argument(
+        "--use-critic",
+        action="store_true",
+        help="train a value model on a second group of ranks (--critic-num-nodes x --critic-num-gpus-per-node), for "
+        "an estimator that needs one (--advantage-estimator ppo)",
+    )
+    train.add_argument(
+        "--num-critic-only-steps",
+        type=int,
+        default=0,
+        help="with --use-critic, train only the critic for the first N steps (the policy does not move and those "
+        "steps commit nothing)",
+    )
     train.add_argument(
         "--rewards-normalization",
         action=argparse.BooleanOptionalAction,
