@@ -14,7 +14,7 @@ joint checkpoint's `critic/iter_N`. Each step it
    optimizer-step schedule, with AdamW at `--critic-lr` (default `--lr`).
 
 It returns the advantages of its shard with its metrics; the actor rank of the same data-parallel index, which
-loads the same shard, trains on them (`critic_advantages`). The equations are in docs/losses.md.
+loads the same shard, trains on them (`critic_advantages`). The equations are in docs/ppo.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""PPO with a critic end to end on the CPU demo (`--advantage-estimator ppo --use-critic`, docs/losses.md).
+"""PPO with a critic end to end on the CPU demo (`--advantage-estimator ppo --use-critic`, docs/ppo.md).
 
 - A run killed at a random moment (every process at once) and rerun ends with bitwise the policy, the critic, the
   rewards and the losses of an uninterrupted run: the joint checkpoint restores the critic's weights, optimizer
   and schedule with the policy's, and every step trained its batch exactly once across the kills.
-- The demo reaches its reward target with PPO's settings from docs/losses.md; in `nox -s extended`, to keep CI
+- The demo reaches its reward target with PPO's settings from docs/ppo.md; in `nox -s extended`, to keep CI
   within its time budget.
 """
 
@@ -18,7 +18,7 @@ from slime.testing import run_records
 from slime.testing.chaos import KillPlan, joint_commit_count, run_with_kills
 
 PPO_FLAGS = ["--advantage-estimator", "ppo", "--use-critic"]
-#: docs/losses.md: PPO's demo settings, the critic trained alone for the first steps (its fresh head's first
+#: docs/ppo.md: PPO's demo settings, the critic trained alone for the first steps (its fresh head's first
 #: estimates are noise, which the policy would otherwise learn from).
 DEMO_FLAGS = ["--num-critic-only-steps", "5"]
 RUN_TIMEOUT_S = 420
