@@ -89,8 +89,15 @@ def reward_by_step(records: list[dict[str, Any]]) -> dict[int, float]:
     return dict(sorted(rewards.items()))
 
 
-#: The train metrics a summary line shows, when the backend reports them: (label, metric key).
-SUMMARY_TRAIN_METRICS = (("loss", "train/loss"), ("grad_norm", "train/grad_norm"), ("entropy", "train/entropy"))
+#: The train metrics a summary line shows, when the step reports them: (label, metric key). The KL penalty only
+#: with `--kl-coef`, the value loss only with a critic (`--use-critic`).
+SUMMARY_TRAIN_METRICS = (
+    ("loss", "train/loss"),
+    ("grad_norm", "train/grad_norm"),
+    ("entropy", "train/entropy"),
+    ("kl_reward", "train/kl_reward"),
+    ("value_loss", "critic/value_loss"),
+)
 
 
 def summary_line(

@@ -101,6 +101,13 @@ def test_a_summary_leaves_out_what_the_interval_did_not_report() -> None:
     assert summary_line((0, 9), [], [], {"train/kl": 0.0}, None) == "steps 0-9 | reward ? | no commit yet"
 
 
+def test_a_summary_shows_the_kl_penalty_and_the_critics_value_loss_when_the_run_has_them() -> None:
+    ppo = {"train/loss": -0.5, "critic/value_loss": 0.0123, "train/kl_reward": 0.02, "critic/values": 0.3}
+    line = summary_line((10, 19), [0.5], [1.0], ppo, 19)
+    shown = "loss -0.5 kl_reward 0.02 value_loss 0.0123"
+    assert line == f"steps 10-19 | reward 0.500 | 1.0s/step | {shown} | last commit 19"
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "x"])
 def test_log_interval_below_one_is_refused_when_the_arguments_are_parsed(
     capsys: pytest.CaptureFixture, value: str
