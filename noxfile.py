@@ -99,9 +99,10 @@ def e2e(session: nox.Session) -> None:
 
 @nox.session(**VENV)
 def extended(session: nox.Session) -> None:
-    """End-to-end runs left out of CI to keep it within its time budget (marker `extended`): the demo trained by
-    the estimators CI does not run end to end, the torch backend's bf16 demo run and the quick end-to-end benchmark's
-    own check."""
+    """End-to-end runs left out of CI to keep it within its time budget (marker `extended`): the demo trained to its
+    target by each estimator (PPO with a critic included) and by the torch backend's bf16 and FSDP runs, LoRA's
+    reward rise, the object-store transport's killed-run reproducibility and the quick end-to-end benchmark's own
+    check."""
     _run_suite(session, "extended and not sglang and not megatron", "--durations=15")
 
 

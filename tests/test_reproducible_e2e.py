@@ -11,6 +11,7 @@ sample identities, so that comparison is straw's only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -60,22 +61,31 @@ def _trained_samples(save: Path) -> dict[int, list]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """One uninterrupted run per transport, the reference of the killed ones."""
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The uninterrupted run of a transport, the reference of the killed ones: made on first use, once (a session
+    that runs only straw's tests makes only straw's)."""
     root = tmp_path_factory.mktemp("uninterrupted")
-    runs = {}
-    for transport in ("straw", "object-store"):
-        save = root / transport / "run"
-        run_records.run_to_end(_args(save, transport), save, root / f"{transport}.log", RUN_TIMEOUT_S)
-        runs[transport] = save
-    return runs
+    runs: dict[str, Path] = {}
+
+    def reference(transport: str) -> Path:
+        if transport not in runs:
+            save = root / transport / "run"
+            run_records.run_to_end(_args(save, transport), save, root / f"{transport}.log", RUN_TIMEOUT_S)
+            runs[transport] = save
+        return runs[transport]
+
+    return reference
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
-@pytest.mark.parametrize(("transport", "seed"), [("straw", 11), ("object-store", 5)])
+#: The object-store run (about 150 s here) is in `nox -s extended`, to keep CI within its time budget; straw, whose
+#: joint commits carry the durability promise, stays in CI.
+@pytest.mark.parametrize(
+    ("transport", "seed"), [("straw", 11), pytest.param("object-store", 5, marks=pytest.mark.extended)]
+)
 def test_a_killed_and_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(
-    uninterrupted: dict[str, Path], tmp_path: Path, transport: str, seed: int
+    uninterrupted: Callable[[str], Path], tmp_path: Path, transport: str, seed: int
 ) -> None:
     save = tmp_path / "run"
     save.parent.mkdir(parents=True, exist_ok=True)
@@ -85,7 +95,7 @@ def test_a_killed_and_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(
     kills = run_with_kills(args, save, log, KillPlan(kills=3, seed=seed), commit_count=count)
     run_records.run_to_end(args, save, log, RUN_TIMEOUT_S)
 
-    reference = uninterrupted[transport]
+    reference = uninterrupted(transport)
     expected = run_records.metrics_by_step(reference, COMPARED_METRICS)
     assert sorted(expected) == list(range(NUM_ROLLOUT))
     assert run_records.metrics_by_step(save, COMPARED_METRICS) == expected, f"kills: {kills}"
@@ -98,11 +108,11 @@ def test_a_killed_and_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(
 
 @pytest.mark.e2e
 @pytest.mark.slow
-def test_another_seed_gives_another_run(uninterrupted: dict[str, Path], tmp_path: Path) -> None:
+def test_another_seed_gives_another_run(uninterrupted: Callable[[str], Path], tmp_path: Path) -> None:
     """The check above can fail: the same command with only `--rollout-seed` changed samples differently."""
     save = tmp_path / "run"
     run_records.run_to_end(_args(save, "straw", seed=7), save, tmp_path / "run.log", RUN_TIMEOUT_S)
-    reference = uninterrupted["straw"]
+    reference = uninterrupted("straw")
     assert _trained_samples(save)[0] != _trained_samples(reference)[0]
     expected = run_records.metrics_by_step(reference, COMPARED_METRICS)
     assert run_records.metrics_by_step(save, COMPARED_METRICS) != expected
